@@ -1,0 +1,73 @@
+"""Where mrv2 runs: the one place that decides device, dtype and Triton mode.
+
+On a machine without CUDA, mrv2 runs the very same code path on the CPU: Triton
+kernels go through Triton's interpreter (``TRITON_INTERPRET=1``, which must be set
+before any ``@triton.jit`` decorator runs, so this module is imported first by
+``mrv2/__init__.py``), tensors are fp32 (the interpreter computes bf16 wrongly),
+and there are no side streams and no CUDA graphs.
+
+``MRV2_DEVICE=cpu`` forces the CPU path on a GPU machine (useful for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_forced = os.environ.get("MRV2_DEVICE", "").lower()
+if _forced not in ("", "cpu", "cuda"):
+    raise ValueError(f"MRV2_DEVICE must be 'cpu' or 'cuda', got {_forced!r}")
+
+#: True when mrv2 runs on a CUDA GPU (compiled Triton, bf16, streams, graphs).
+HAS_CUDA: bool = torch.cuda.is_available() and _forced != "cpu"
+if _forced == "cuda" and not HAS_CUDA:
+    raise RuntimeError("MRV2_DEVICE=cuda but torch sees no CUDA device")
+
+if not HAS_CUDA:
+    # NOTE: read when Triton is imported and when triton.jit decorates a kernel; setting it
+    # later has no effect, and some `transformers` models import Triton on their own.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError(
+            "triton was imported before mrv2 on a machine without CUDA, so its kernels cannot "
+            "switch to the interpreter: `import mrv2` first (before transformers models), or "
+            "set TRITON_INTERPRET=1 in the environment")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: The device every mrv2 tensor lives on.
+DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
+
+#: The default compute dtype: bf16 on the GPU, fp32 under the Triton interpreter.
+DEFAULT_DTYPE: torch.dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+
+#: True when Triton kernels run in the interpreter (slow: keep grids small).
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """Turn a vLLM-style ``dtype`` argument into a torch dtype for this platform.
+
+    Args:
+        dtype: ``"auto"``/``None`` (the platform default), a name such as
+            ``"bfloat16"``, ``"float16"``, ``"float32"``, or a ``torch.dtype``.
+
+    Returns:
+        The torch dtype. On the CPU, half types are refused: the Triton
+        interpreter computes them wrongly.
+    """
+    if dtype is None or dtype == "auto":
+        return DEFAULT_DTYPE
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "half": torch.float16, "fp16": torch.float16, "float32": torch.float32,
+             "float": torch.float32, "fp32": torch.float32}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
+        dtype = names[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a string or torch.dtype, got {dtype!r}")
+    if not HAS_CUDA and dtype != torch.float32:
+        raise ValueError(f"dtype={dtype} is not supported on the CPU (Triton's interpreter "
+                         "computes half types wrongly); use dtype='float32' or 'auto'")
+    return dtype

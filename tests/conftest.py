@@ -1,0 +1,29 @@
+import os
+
+# NOTE: must be set before any Triton kernel is defined; mrv2.platform does the same.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pathlib
+
+import pytest
+import torch
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shared_data():
+    """../shared/data, or skip when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not present")
+    return SHARED_DATA
