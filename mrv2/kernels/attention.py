@@ -1,0 +1,320 @@
+"""Paged attention: causal attention of a step's new tokens over the paged KV cache.
+
+One kernel serves every step, whatever it mixes: prefill chunks, decodes, draft tokens.
+Request ``b`` owns the new tokens ``query_start_loc[b]:query_start_loc[b+1]`` at the
+positions ``seq_lens[b] - q_len ... seq_lens[b] - 1``; its keys and values (prefix and
+new tokens alike, ``write_kv_cache`` runs first) sit in the cache pages listed by
+``block_table[b]``. The idea: never build a contiguous K/V copy; each program walks the
+request's pages through the block table and keeps an online softmax (running max, sum
+and weighted values in fp32), so a token attends to its whole context in one pass.
+Grouped-query attention is free: the query heads sharing a KV head become extra rows of
+the same ``tl.dot``, so each K/V page is read once per group. Small decode batches split
+each sequence over several programs (flash-decoding) and merge the parts in a second
+kernel. See notebooks/01_qwen3_and_paged_kv.ipynb.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.platform import TRITON_INTERPRET
+
+_LOG2E = 1.4426950408889634
+
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
+                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain torch reference of :func:`paged_attention` (the executable specification).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries of the new tokens.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        attn_metadata: where each request's tokens and pages are.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; rows no request covers are 0.
+    """
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    qsl = attn_metadata.query_start_loc.tolist()
+    for b, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
+        start, end = qsl[b], qsl[b + 1]
+        q_len = end - start
+        if q_len <= 0 or seq_len <= 0:
+            continue
+        pages = attn_metadata.block_table[b, :triton.cdiv(seq_len, block_size)].long()
+        k = kv_cache[0, pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, H_kv, D]
+        v = kv_cache[1, pages].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, H_kv, D]
+        k = k.float().repeat_interleave(group, dim=1)                          # [S, H, D]
+        v = v.float().repeat_interleave(group, dim=1)                          # [S, H, D]
+        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale      # [H, q_len, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)        # [q_len]
+        k_pos = torch.arange(seq_len, device=q.device)                          # [S]
+        s = s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
+                 kv_cache_ptr, block_table_ptr, qk_scale, kh, d, d_ok,
+                 stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    # Find the page and offset of each of the BLOCK_N keys through the block table.
+    n = start + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
+    if MASKED:
+        n_ok = n < seq_end
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE)
+    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
+    k_ptrs = kv_cache_ptr + slot_off[None, :] + d[:, None] * stride_cd  # [BLOCK_D, BLOCK_N]
+    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + d[None, :] * stride_cd
+
+    # Scores in log2 units (scale * log2(e) folded in), fp32 accumulation.
+    if MASKED:
+        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        # Causal by absolute position, and nothing past this program's key range.
+        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+
+    # Online softmax: rescale the running sums to the new row maximum.
+    m_new = tl.maximum(m_i, tl.max(s, 1))                               # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                     # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # Accumulate P @ V (masked keys load as 0 so stale cache bytes cannot make NaN).
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,  # inputs
+    out_ptr, part_acc_ptr, part_ml_ptr,                                       # outputs
+    qk_scale,                                                                 # sizes
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,        # strides
+    stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Program = (request, block of BLOCK_Q query tokens, KV head x split of the keys).
+    b = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if q_block * BLOCK_Q >= q_len:  # padding rows and short queries stop here
+        return
+    ctx_len = seq_len - q_len
+
+    # Rows of the dot (BLOCK_M = BLOCK_Q * GROUP_PAD): BLOCK_Q tokens x the GQA group
+    # of query heads sharing KV head kh.
+    m = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + m // GROUP_PAD                             # [BLOCK_M] token in req
+    head = kh * GROUP + m % GROUP_PAD                                   # [BLOCK_M]
+    row_ok = (qi < q_len) & (m % GROUP_PAD < GROUP)
+    tok = q_start + qi                                                  # [BLOCK_M] flat token
+    pos = ctx_len + qi                                                  # [BLOCK_M] abs position
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(kv_cache_ptr.dtype.element_ty)  # tl.dot wants both operands in one dtype
+
+    # Key range of this program: [lo, hi); keys below full_end are visible to every row.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    tiles_per_split = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
+    full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+
+    # Online softmax state in fp32 (a finite start keeps fully masked rows NaN-free).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, tl.minimum(hi, full_end), BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, hi, pos, b, kv_cache_ptr, block_table_ptr, qk_scale,
+            kh, d, d_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+    for start in range(tl.maximum(lo, full_end), hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, hi, pos, b, kv_cache_ptr, block_table_ptr, qk_scale,
+            kh, d, d_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        # Normalise and store in the output dtype.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+                 + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Store this split's unnormalised sums and its (max, sum) for the merge kernel.
+        tl.store(part_acc_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph
+                 + split * stride_ps + d[None, :], acc, mask=mask)
+        ml_ptr = part_ml_ptr + tok * stride_mt + head * stride_mh + split * stride_ms
+        tl.store(ml_ptr, m_i, mask=row_ok)
+        tl.store(ml_ptr + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, query_start_loc_ptr,  # inputs
+    out_ptr,                                         # outputs
+    stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,  # strides
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program = (request, query token of the request, head).
+    b = tl.program_id(0)
+    qi = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    if qi >= tl.load(query_start_loc_ptr + b + 1) - q_start:
+        return
+    tok = q_start + qi
+
+    # Load every split's (max, sum) and weight it against the global max.
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    ml_ptr = part_ml_ptr + tok * stride_mt + h * stride_mh + s * stride_ms
+    m_s = tl.load(ml_ptr, mask=s_ok, other=-1.0e30)                    # [BLOCK_S]
+    l_s = tl.load(ml_ptr + 1, mask=s_ok, other=0.0)
+    w = tl.exp2(m_s - tl.max(m_s, 0))                                   # [BLOCK_S]
+    l_tot = tl.sum(l_s * w, 0)
+
+    # Merge the unnormalised partial outputs and store.
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(part_acc_ptr + tok * stride_pt + h * stride_ph + s[:, None] * stride_ps
+                  + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0, l_tot, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + tok * stride_ot + h * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+_NUM_SMS: int | None = None
+
+
+def _num_sms() -> int:
+    global _NUM_SMS
+    if _NUM_SMS is None:
+        _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()) \
+            .multi_processor_count if torch.cuda.is_available() else 1
+    return _NUM_SMS
+
+
+def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
+                 max_seq_len: int) -> dict:
+    """Block sizes, warps and split count for one launch (host ints only, graph-safe)."""
+    decode = max_query_len <= 16
+    if decode:  # rows = the few query tokens x group, padded to tl.dot's minimum of 16
+        block_q = max(triton.next_power_of_2(max_query_len), 16 // group_pad, 1)
+    else:
+        block_q = max(1, 64 // group_pad)
+    block_n = 64
+    num_splits = 1
+    if decode and not TRITON_INTERPRET:
+        # Flash-decoding: too few programs to fill the GPU, so split each sequence.
+        programs = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
+        want = triton.cdiv(8 * _num_sms(), max(programs, 1))
+        num_splits = max(1, min(want, triton.cdiv(max_seq_len, block_n), 32))
+    return {"block_q": block_q, "block_n": block_n, "num_splits": num_splits,
+            "num_warps": 4, "num_stages": 2}
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                    scale: float, out: torch.Tensor | None = None, *,
+                    num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Causal attention of the new tokens over the paged KV cache (Triton).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries of the step's new tokens
+            (``num_heads`` a multiple of the cache's ``num_kv_heads``).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` holding every
+            request's keys/values, the new tokens' included.
+        attn_metadata: ``query_start_loc``, ``seq_lens``, ``block_table`` of the step and
+            the bounds ``max_query_len``, ``max_seq_len``.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: optional ``[num_tokens, num_heads, head_dim]`` output buffer; rows no request
+            covers are left untouched.
+        num_splits: split each sequence's keys over this many programs (flash-decoding);
+            ``None`` lets the launcher choose.
+        config: overrides of the launch configuration (``block_q``, ``block_n``,
+            ``num_warps``, ``num_stages``), for benchmarks.
+
+    Returns:
+        ``out`` (allocated as zeros in ``q``'s dtype when not given).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}: "
+                         "head_dim must match and num_heads be a multiple of num_kv_heads")
+    if out is None:
+        out = torch.zeros_like(q)
+    md = attn_metadata
+    num_reqs = md.num_reqs
+    if num_tokens == 0 or num_reqs == 0 or md.max_query_len <= 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = _pick_config(num_reqs, num_kv_heads, group_pad, md.max_query_len, md.max_seq_len)
+    if num_splits is not None:
+        cfg["num_splits"] = num_splits
+    cfg.update(config or {})
+    splits = cfg["num_splits"]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+
+    if splits > 1:
+        part_acc = q.new_empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32)
+        part_ml = q.new_empty(num_tokens, num_heads, splits, 2, dtype=torch.float32)
+    else:  # unused by the compiled kernel
+        part_acc = part_ml = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+    fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
+    grid = (num_reqs, triton.cdiv(md.max_query_len, cfg["block_q"]), num_kv_heads * splits)
+    _paged_attention_kernel[grid](
+        q, kv_cache, md.block_table, md.query_start_loc, md.seq_lens,
+        out, part_acc, part_ml,
+        scale * _LOG2E,
+        *q.stride(), *out.stride(), *kv_cache.stride(), md.block_table.stride(0),
+        *part_acc.stride()[:3], *part_ml.stride()[:3],
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        NUM_SPLITS=splits, DOT_PRECISION="ieee" if fp32 else "tf32",
+        BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * group_pad, BLOCK_N=cfg["block_n"],
+        BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_reqs, md.max_query_len, num_heads)](
+            part_acc, part_ml, md.query_start_loc,
+            out,
+            *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
+            HEAD_DIM=head_dim, NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,172 @@
+"""paged_attention (Triton) against its torch reference on mixed prefill/decode batches."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels.attention import paged_attention, paged_attention_ref
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size=16, num_pad_reqs=0,
+               num_pad_tokens=0, seed=0, dtype=torch.float32, device="cpu"):
+    """A random step. reqs: list of (num_cached_before, q_len), one per real request.
+
+    Pages are handed out in a shuffled order; cache slots no request owns, block-table
+    entries past a request's pages and queries of padding tokens are NaN / garbage, so
+    any read the kernel should not make shows up in the output.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in reqs] + [0] * num_pad_reqs
+    q_lens = [n for _, n in reqs] + [0] * num_pad_reqs
+    pages = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(pages) + 3
+    max_blocks = max(pages + [1]) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    block_table = torch.full((len(seq_lens), max_blocks), 10**6, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    for b, (s, n) in enumerate(zip(seq_lens, pages)):
+        ids, perm = perm[:n], perm[n:]
+        block_table[b, :n] = torch.tensor(ids, dtype=torch.int32)
+        for i in range(s):  # only the slots of real tokens hold numbers
+            kv_cache[:, ids[i // block_size], i % block_size] = torch.randn(
+                2, num_kv_heads, head_dim, generator=g)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens + num_pad_tokens, num_heads, head_dim, generator=g)
+    q[num_tokens:] = float("nan")
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    md = AttentionMetadata(
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens + [0]), max_seq_len=max(seq_lens + [0]))
+    return q.to(device, dtype), kv_cache.to(device, dtype), md
+
+
+def check(reqs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, atol=1e-5,
+          **kw):
+    q, kv_cache, md = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, **kw)
+    scale = head_dim ** -0.5
+    expected = paged_attention_ref(q, kv_cache, md, scale)
+    got = paged_attention(q, kv_cache, md, scale)
+    num_tokens = int(md.query_start_loc[-1])
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    assert torch.isfinite(got[:num_tokens]).all()
+    assert (got[num_tokens:] == 0).all()  # uncovered padding tokens come back zero
+    return q, kv_cache, md, expected
+
+
+@pytest.mark.parametrize("reqs", [
+    [(0, 1)],                              # one token, nothing cached
+    [(15, 1), (16, 1), (17, 1), (31, 1)],  # decodes around page boundaries (16, 17, 18, 32)
+    [(0, 16), (0, 32), (0, 33)],           # prefills of exactly 1 and 2 pages, and 2 + 1
+    [(200, 3)],                            # long cached prefix, short new chunk
+    [(40, 24)],                            # a prefill chunk in the middle of a sequence
+    [(0, 20), (7, 1), (63, 1), (30, 9), (64, 1)],  # mixed prefill + decode
+])
+def test_matches_reference(reqs):
+    check(reqs)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (2, 2, 8), (4, 2, 8), (8, 2, 8),      # GQA groups 1 / 2 / 4 at stories260K's head_dim
+    (4, 1, 64), (6, 2, 64),               # group 4 and a group of 3 (padded to 4)
+    (2, 1, 24),                           # head_dim that is no power of two
+])
+def test_gqa_and_head_dims(num_heads, num_kv_heads, head_dim):
+    check([(5, 1), (0, 19), (20, 4)], num_heads, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_page_sizes(block_size):
+    check([(9, 1), (0, 12), (33, 2)], block_size=block_size)
+
+
+def test_padding_requests_and_tokens():
+    # Padding rows (seq_len 0, no tokens) at the end and padding tokens past the last
+    # request, as a captured CUDA graph replays a smaller batch.
+    check([(3, 1), (0, 5)], num_pad_reqs=3, num_pad_tokens=4)
+
+
+def test_empty_batch():
+    q, kv_cache, md = make_batch([], 4, 2, 16, num_pad_reqs=2)
+    assert paged_attention(q, kv_cache, md, 0.25).shape == (0, 4, 16)
+    assert paged_attention_ref(q, kv_cache, md, 0.25).shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv(num_splits):
+    # Flash-decoding path (chosen on the GPU for small batches); more splits than pages too.
+    reqs = [(40, 1), (0, 1), (70, 3), (5, 2)]
+    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, num_pad_tokens=2)
+    expected = paged_attention_ref(q, kv_cache, md, 0.25)
+    got = paged_attention(q, kv_cache, md, 0.25, num_splits=num_splits)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_out_buffer_and_strided_q():
+    # q as a view into a fused qkv projection, written into a caller's buffer.
+    q, kv_cache, md = make_batch([(10, 3), (0, 4)], 4, 2, 16, num_pad_tokens=1)
+    qkv = torch.randn(q.shape[0], 8 * 16)
+    qkv[:, :64] = q.reshape(q.shape[0], 64)
+    q_view = qkv[:, :64].view(q.shape[0], 4, 16)
+    out = torch.full((q.shape[0], 4, 16), 7.0)
+    res = paged_attention(q_view, kv_cache, md, 0.25, out=out)
+    assert res is out
+    torch.testing.assert_close(out[:7], paged_attention_ref(q, kv_cache, md, 0.25)[:7],
+                               atol=1e-5, rtol=1e-5)
+    assert (out[7:] == 7.0).all()  # rows no request covers are left untouched
+
+
+def test_reference_is_causal_softmax():
+    # The spec on one tiny request, written out by hand: 2 new tokens after 1 cached.
+    q, kv_cache, md = make_batch([(1, 2)], 1, 1, 8, block_size=2)
+    keys = torch.cat([kv_cache[0, md.block_table[0, 0], :2, 0],
+                      kv_cache[0, md.block_table[0, 1], :1, 0]])  # [3, 8]
+    vals = torch.cat([kv_cache[1, md.block_table[0, 0], :2, 0],
+                      kv_cache[1, md.block_table[0, 1], :1, 0]])  # [3, 8]
+    out = paged_attention_ref(q, kv_cache, md, 0.5)
+    for i, pos in enumerate([1, 2]):
+        w = torch.softmax(q[i, 0] @ keys[:pos + 1].T * 0.5, dim=0)
+        torch.testing.assert_close(out[i, 0], w @ vals[:pos + 1])
+
+
+def test_bench_smoke(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.pop(0)
+    result = bench_attention.main(["--smoke", "--out", str(tmp_path / "a.json")])
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert saved["cases"] and saved["cases"][0]["us"] > 0
+    assert result["cases"][0]["max_abs_err_vs_ref"] < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_matches_reference_bf16_cuda(num_splits):
+    # Qwen3-0.6B's attention shape in bf16 on the GPU, mixed batch with padding.
+    reqs = [(0, 37), (100, 1), (15, 1), (1000, 1), (250, 70), (16, 1), (63, 2)]
+    q, kv_cache, md = make_batch(reqs, 16, 8, 128, num_pad_reqs=2, num_pad_tokens=3,
+                                 dtype=torch.bfloat16, device="cuda")
+    expected = paged_attention_ref(q, kv_cache, md, 128 ** -0.5)
+    got = paged_attention(q, kv_cache, md, 128 ** -0.5, num_splits=num_splits)
+    num_tokens = int(md.query_start_loc[-1])
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(got[:num_tokens]).all()
+
+
+@pytest.mark.gpu
+def test_decode_fp32_cuda():
+    # fp32 on the GPU uses IEEE dots (no TF32), so it matches the reference tightly.
+    q, kv_cache, md = make_batch([(500, 1), (31, 1), (0, 1)], 16, 8, 128, device="cuda")
+    expected = paged_attention_ref(q, kv_cache, md, 128 ** -0.5)
+    got = paged_attention(q, kv_cache, md, 128 ** -0.5)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
