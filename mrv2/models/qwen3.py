@@ -1,0 +1,311 @@
+"""Qwen3 (and, with q/k-norm off, Llama / Qwen2) over a flat token layout and a paged KV cache.
+
+The model sees one flat batch of tokens, ``input_ids [num_tokens]`` with their absolute
+``positions [num_tokens]``: prefill chunks and decode tokens of many requests side by
+side, no padding and no ``[batch, seq]`` shape. Where each request's keys and values
+live comes from the ``AttentionMetadata`` of the forward context, so attention writes the
+new keys/values into the paged cache and then attends over it. Module names are Hugging
+Face's, so loading a checkpoint is a name map (see loader.py).
+See notebooks/01_qwen3_and_paged_kv.ipynb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mrv2.forward_context import get_attn_metadata
+from mrv2.kernels.attention import paged_attention
+from mrv2.kernels.kv_cache import write_kv_cache
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the runner needs to allocate and bind the KV cache."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+
+def model_dims(config) -> ModelDims:
+    """Read layer/head sizes from a Hugging Face config (``head_dim`` defaults to hidden/heads)."""
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return ModelDims(config.num_hidden_layers, num_heads, num_kv_heads, head_dim,
+                     config.hidden_size, config.vocab_size)
+
+
+def kv_cache_shape(config, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of ONE layer's KV cache: ``(2, num_blocks, block_size, num_kv_heads, head_dim)``."""
+    d = model_dims(config)
+    return (2, num_blocks, block_size, d.num_kv_heads, d.head_dim)
+
+
+def rope_theta(config) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5.x) or ``rope_theta`` (4.x).
+
+    Raises:
+        ValueError: for a RoPE scaling type other than none/default (YaRN, linear, ...).
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported by mrv2 "
+                         "(only plain RoPE: rope_type 'default' or none)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(theta)
+
+
+class Qwen3RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in fp32.
+
+    Args:
+        hidden_size: size of the normalised (last) dimension.
+        eps: added to the mean square before the reciprocal square root.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        # NOTE: HF rounds to the input dtype BEFORE the weight product; we multiply in fp32
+        # and round once (as vLLM does). Identical in fp32, slightly more accurate in bf16.
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class Qwen3RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX style) RoPE with a cos/sin cache indexed by absolute position.
+
+    Args:
+        head_dim: rotated size (the whole head).
+        max_position: positions ``0 .. max_position - 1`` are cached.
+        theta: the RoPE base.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
+        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
+
+    def _build(self, device: torch.device | None) -> torch.Tensor:
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device)  # [D/2]
+        inv_freq = 1.0 / (self.theta ** (half / self.head_dim))                     # [D/2]
+        t = torch.arange(self.max_position, dtype=torch.float, device=device)       # [P]
+        freqs = t[:, None] * inv_freq[None, :]                                      # [P, D/2]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)                        # [P, D]
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: Module.to(bf16) would round the cache and to_empty() would wipe it;
+        # rebuild it in fp32 on whatever device the module moved to.
+        super()._apply(fn, recurse)
+        device = self.cos_sin_cache.device
+        if device.type != "meta":
+            self.cos_sin_cache = self._build(device)
+        return self
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` by the angles of ``positions [T]``; fp32 math, x's dtype out."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
+        cos, sin = cos[:, None, :], sin[:, None, :]                       # [T, 1, D/2]
+        x1, x2 = x.float().chunk(2, dim=-1)                               # [T, H, D/2] each
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, H, D]
+        return out.to(x.dtype)
+
+
+class Qwen3Attention(nn.Module):
+    """GQA self-attention over the paged KV cache of this layer.
+
+    Args:
+        config: a Hugging Face Qwen3/Llama/Qwen2 config.
+        rotary_emb: the RoPE module shared by all layers.
+        use_qk_norm: per-head RMSNorm on q and k (Qwen3); off = Llama/Qwen2.
+        qkv_bias: biases on q/k/v_proj (Qwen2, or Llama/Qwen3 ``attention_bias``).
+        o_bias: bias on o_proj (Llama/Qwen3 ``attention_bias``).
+    """
+
+    def __init__(self, config, rotary_emb: Qwen3RotaryEmbedding, use_qk_norm: bool,
+                 qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        d = model_dims(config)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim = \
+            d.num_heads, d.num_kv_heads, d.head_dim
+        if H % Hkv:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of "
+                             f"num_key_value_heads ({Hkv})")
+        self.scale = D ** -0.5
+        self.q_proj = nn.Linear(d.hidden_size, H * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(d.hidden_size, Hkv * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(d.hidden_size, Hkv * D, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * D, d.hidden_size, bias=o_bias)
+        self.use_qk_norm = use_qk_norm
+        if use_qk_norm:
+            self.q_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+            self.k_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        # NOTE: a plain list keeps the shared RoPE module out of this layer's state_dict.
+        self._rotary = [rotary_emb]
+        # [2, num_blocks, block_size, H_kv, D], bound by bind_kv_cache(); not a buffer.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound: call bind_kv_cache(model, kv_caches) first")
+        md = get_attn_metadata()
+        T = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)     # [T, H, D]
+        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)   # per head, over D
+        rope = self._rotary[0]
+        q, k = rope(positions, q), rope(positions, k)
+        # The new keys/values go into the cache first: attention reads prefix AND new tokens.
+        write_kv_cache(k, v, self.kv_cache, md.slot_mapping)
+        out = paged_attention(q, self.kv_cache, md, self.scale)                  # [T, H, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))      # [T, hidden]
+
+
+class Qwen3MLP(nn.Module):
+    """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    Args:
+        config: a Hugging Face config (``hidden_size``, ``intermediate_size``, ``mlp_bias``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Args: as :class:`Qwen3Attention`.
+    """
+
+    def __init__(self, config, rotary_emb: Qwen3RotaryEmbedding, use_qk_norm: bool,
+                 qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, rotary_emb, use_qk_norm, qkv_bias, o_bias)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions,
+                                                       self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and the final norm (HF's ``model.*`` submodule).
+
+    Args: as :class:`Qwen3ForCausalLM`.
+    """
+
+    def __init__(self, config, use_qk_norm: bool, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        d = model_dims(config)
+        self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size)
+        self.rotary_emb = Qwen3RotaryEmbedding(d.head_dim, config.max_position_embeddings,
+                                               rope_theta(config))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, self.rotary_emb, use_qk_norm, qkv_bias, o_bias)
+            for _ in range(d.num_layers))
+        self.norm = Qwen3RMSNorm(d.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # A ModelState hook may pass precomputed (e.g. multimodal) embeddings instead of ids.
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 causal LM over a flat token layout; Llama/Qwen2 when q/k-norm is off.
+
+    Args:
+        config: a Hugging Face ``Qwen3Config``, ``LlamaConfig`` or ``Qwen2Config``.
+        use_qk_norm: per-head q/k RMSNorm; ``None`` = on for ``model_type`` qwen3 only.
+
+    Forward: ``input_ids [T]`` (or ``inputs_embeds [T, hidden]``), ``positions [T]`` ->
+    ``hidden_states [T, hidden]``; ``compute_logits`` maps them to ``[n, vocab]`` (model dtype).
+    Attention metadata comes from ``mrv2.forward_context.set_forward_context``.
+    """
+
+    def __init__(self, config, use_qk_norm: bool | None = None):
+        super().__init__()
+        if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []) \
+                or getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention layers are not supported by mrv2")
+        model_type = getattr(config, "model_type", "qwen3")
+        if use_qk_norm is None:
+            use_qk_norm = model_type == "qwen3"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or model_type == "qwen2"   # Qwen2: q/k/v biases, none on o_proj
+        self.config = config
+        self.use_qk_norm = use_qk_norm
+        self.model = Qwen3Model(config, use_qk_norm, qkv_bias, o_bias=attention_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with the embedding when the config ties them."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` of ``input_ids [T]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of ``hidden_states [n, hidden]`` (e.g. the sampled rows only)."""
+        return self.lm_head(hidden_states)
+
+    @property
+    def dims(self) -> ModelDims:
+        """num_layers, num_kv_heads, head_dim ... (what the KV cache allocator needs)."""
+        return model_dims(self.config)
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give layer ``i``'s attention the cache ``kv_caches[i]`` (shape :func:`kv_cache_shape`)."""
+    attns = [m for m in model.modules() if isinstance(m, Qwen3Attention)]
+    if len(kv_caches) != len(attns):
+        raise ValueError(f"got {len(kv_caches)} KV caches for {len(attns)} attention layers")
+    for i, (attn, cache) in enumerate(zip(attns, kv_caches)):
+        if cache.dim() != 5 or cache.shape[0] != 2 or \
+                tuple(cache.shape[3:]) != (attn.num_kv_heads, attn.head_dim):
+            raise ValueError(f"kv_caches[{i}] has shape {tuple(cache.shape)}, expected "
+                             f"(2, num_blocks, block_size, {attn.num_kv_heads}, {attn.head_dim})")
+        attn.kv_cache = cache
