@@ -1,0 +1,226 @@
+"""Stable request-state table: one fixed row per live request.
+
+V1 kept a persistent batch whose row order *was* the batch: adding or removing a
+request swapped and condensed rows, and a ``CachedRequestState`` copy of every
+request lived on the CPU. Here a request gets a row from a free list when it is
+admitted and keeps it until it finishes; nothing ever moves. The device tensors
+are the only truth (``num_computed_tokens``, the sampled tokens appended to
+``token_ids``): after admission the CPU never reads them back, it only *writes*
+new rows, staged and applied in one kernel launch per step. Each step then gathers
+the rows it needs through ``idx_mapping`` (batch slot -> row). See
+notebooks/02_stable_state_table.ipynb.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.kernels.state_writes import FLOAT_PARAMS, NUM_META, apply_state_writes
+
+#: Neutral sampling parameters: a key missing from ``add_request``'s ``sampling``
+#: takes this value. ``top_k=-1`` means off; penalties 1.0/0/0 change nothing.
+SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "seed": 0,
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+}
+
+_INT32_MAX = 2**31 - 1
+
+
+def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Copy a freshly packed numpy array to ``device`` without blocking the CPU.
+
+    Args:
+        array: a contiguous numpy array the caller will not touch again.
+        device: the target device.
+
+    Returns:
+        The device tensor (the very same memory when ``device`` is the CPU).
+    """
+    t = torch.from_numpy(array)
+    if device.type != "cuda":
+        return t
+    # NOTE: a fresh pinned tensor per call: torch's caching host allocator only
+    # reuses its memory after the copy that reads it has finished, so the CPU can
+    # never overwrite bytes an in-flight copy is still reading.
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class RequestStateTable:
+    """Per-request device state in fixed rows, handed out from a CPU free list.
+
+    Args:
+        max_num_reqs: rows in the table (the most requests alive at once).
+        max_model_len: the longest sequence (prompt + output) a row can hold.
+        device: where the table lives.
+
+    Attributes (device tensors, ``R = max_num_reqs``):
+        token_ids: int32 ``[R, max_model_len]``, prefill tokens then sampled tokens.
+        prompt_len, prefill_len, total_len, num_computed_tokens, last_sampled_token,
+        top_k: int32 ``[R]``.
+        float_params: f32 ``[len(FLOAT_PARAMS), R]``; ``temperature``, ``top_p``,
+            ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+            ``frequency_penalty`` are its rows (``[R]`` views).
+        seed: int64 ``[R]``.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device | str):
+        if max_num_reqs <= 0 or max_model_len <= 0:
+            raise ValueError("max_num_reqs and max_model_len must be positive, got "
+                             f"{max_num_reqs} and {max_model_len}")
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self.token_ids = zeros(max_num_reqs, max_model_len)            # [R, max_model_len]
+        self.prompt_len = zeros(max_num_reqs)                          # [R]
+        self.prefill_len = zeros(max_num_reqs)                         # [R]
+        self.total_len = zeros(max_num_reqs)                           # [R]
+        self.num_computed_tokens = zeros(max_num_reqs)                 # [R]
+        self.last_sampled_token = torch.full((max_num_reqs,), -1, dtype=torch.int32,
+                                             device=self.device)       # [R]
+        self.top_k = torch.full((max_num_reqs,), -1, dtype=torch.int32, device=self.device)
+        self.float_params = zeros(len(FLOAT_PARAMS), max_num_reqs, dtype=torch.float32)
+        for i, name in enumerate(FLOAT_PARAMS):
+            self.float_params[i] = float(SAMPLING_DEFAULTS[name])
+        # Named [R] views, in the order of FLOAT_PARAMS.
+        (self.temperature, self.top_p, self.min_p, self.repetition_penalty,
+         self.presence_penalty, self.frequency_penalty) = self.float_params.unbind(0)
+        self.seed = zeros(max_num_reqs, dtype=torch.int64)             # [R]
+
+        # The CPU side: who owns which row, and nothing else.
+        # NOTE: pop() takes from the end, so row 0 is handed out first and a freed
+        # row is the next one reused.
+        self._free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+        self.req_ids: list[str | None] = [None] * max_num_reqs   # by row, None when free
+        self._row_of: dict[str, int] = {}
+        # row -> (token ids, prompt_len, top_k, float params, seed), until applied.
+        self._staged: dict[int, tuple[np.ndarray, int, int, list[float], int]] = {}
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows a new request could take now."""
+        return len(self._free_rows)
+
+    @property
+    def num_reqs(self) -> int:
+        """Live requests (rows in use)."""
+        return len(self._row_of)
+
+    @property
+    def has_staged_writes(self) -> bool:
+        return bool(self._staged)
+
+    def row_of(self, req_id: str) -> int:
+        """The row of a live request (``KeyError`` naming it when unknown)."""
+        try:
+            return self._row_of[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id!r} has no row in the state table") from None
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._row_of
+
+    def add_request(self, req_id: str, prefill_token_ids: list[int], prompt_len: int,
+                    sampling: dict[str, float | int] | None = None) -> int:
+        """Give ``req_id`` a row and stage its initial state (applied next step).
+
+        Args:
+            req_id: a request id not already in the table.
+            prefill_token_ids: the tokens to prefill: the prompt, or for a preempted
+                request re-entering as new, the prompt followed by its earlier output.
+            prompt_len: how many of ``prefill_token_ids`` are the prompt.
+            sampling: some of the keys of ``SAMPLING_DEFAULTS``; missing keys (or
+                ``None`` values) take the neutral defaults.
+
+        Returns:
+            The row, which the request keeps until ``remove_request``.
+        """
+        if req_id in self._row_of:
+            raise ValueError(f"request {req_id!r} is already in the state table "
+                             f"(row {self._row_of[req_id]})")
+        if not self._free_rows:
+            raise RuntimeError(f"state table is full: all {self.max_num_reqs} rows are in "
+                               f"use; cannot add request {req_id!r}")
+        ids = np.asarray(prefill_token_ids, dtype=np.int64).reshape(-1)
+        if not 0 < ids.size <= self.max_model_len:
+            raise ValueError(f"request {req_id!r} has {ids.size} tokens to prefill; it "
+                             f"needs between 1 and max_model_len={self.max_model_len}")
+        if ids.min() < 0 or ids.max() > _INT32_MAX:
+            raise ValueError(f"request {req_id!r} has a token id outside [0, 2**31)")
+        if not 0 < prompt_len <= ids.size:
+            raise ValueError(f"request {req_id!r}: prompt_len={prompt_len} must be in "
+                             f"[1, {ids.size}] (the number of prefill tokens)")
+        params = dict(SAMPLING_DEFAULTS)
+        for key, value in (sampling or {}).items():
+            if key not in SAMPLING_DEFAULTS:
+                raise ValueError(f"unknown sampling parameter {key!r} for request "
+                                 f"{req_id!r}; expected some of {sorted(SAMPLING_DEFAULTS)}")
+            if value is not None:
+                params[key] = value
+        seed = int(params["seed"])
+        if not -2**63 <= seed < 2**63:
+            raise ValueError(f"request {req_id!r}: seed={seed} does not fit in int64")
+
+        row = self._free_rows.pop()
+        self._row_of[req_id] = row
+        self.req_ids[row] = req_id
+        floats = [float(params[name]) for name in FLOAT_PARAMS]
+        self._staged[row] = (ids.astype(np.int32), int(prompt_len), int(params["top_k"]),
+                             floats, seed)
+        return row
+
+    def remove_request(self, req_id: str) -> int:
+        """Free the row of ``req_id`` (finished or preempted); returns that row.
+
+        The device contents of the row are left as they are: the next owner's staged
+        write overwrites everything it reads.
+        """
+        row = self.row_of(req_id)
+        del self._row_of[req_id]
+        self.req_ids[row] = None
+        # NOTE: a request added and removed within one step must not be written.
+        self._staged.pop(row, None)
+        self._free_rows.append(row)
+        return row
+
+    def apply_staged_writes(self) -> None:
+        """Write every staged new row into the device table in one kernel launch.
+
+        Three packed host->device copies (ints + token ids, floats, seeds), then one
+        scatter kernel. A no-op when nothing is staged. Never reads the device.
+        """
+        if not self._staged:
+            return
+        rows = sorted(self._staged)
+        n = len(rows)
+        lens = np.array([self._staged[r][0].size for r in rows], dtype=np.int64)
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        packed_ints = np.empty(n * NUM_META + int(lens.sum()), dtype=np.int32)
+        meta = packed_ints[:n * NUM_META].reshape(n, NUM_META)    # [n, NUM_META]
+        packed_floats = np.empty((n, len(FLOAT_PARAMS)), dtype=np.float32)
+        packed_seeds = np.empty(n, dtype=np.int64)
+        tail = packed_ints[n * NUM_META:]                          # [L] flat token ids
+        for i, row in enumerate(rows):
+            ids, prompt_len, top_k, floats, seed = self._staged[row]
+            meta[i] = (row, starts[i], ids.size, prompt_len, top_k)
+            tail[starts[i]:starts[i] + ids.size] = ids
+            packed_floats[i] = floats
+            packed_seeds[i] = seed
+        self._staged.clear()
+        apply_state_writes(
+            to_device_async(packed_ints, self.device),
+            to_device_async(packed_floats, self.device),
+            to_device_async(packed_seeds, self.device), n,
+            token_ids=self.token_ids, prompt_len=self.prompt_len,
+            prefill_len=self.prefill_len, total_len=self.total_len,
+            num_computed_tokens=self.num_computed_tokens,
+            last_sampled_token=self.last_sampled_token, top_k=self.top_k,
+            float_params=self.float_params, seed=self.seed,
+            max_tokens_per_row=int(lens.max()),
+        )
