@@ -34,6 +34,16 @@ if not HAS_CUDA:
             "switch to the interpreter: `import mrv2` first (before transformers models), or "
             "set TRITON_INTERPRET=1 in the environment")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:  # NOTE: the interpreter checks every int32 op for overflow, yet its device_assert is a
+        # no-op: the check costs ~40% of a kernel's time and can never fire. Turn it off.
+        import dataclasses
+
+        from triton.runtime import interpreter as _interp
+
+        _b = _interp.interpreter_builder
+        _b.options = dataclasses.replace(_b.options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):  # another Triton layout: keep its default
+        pass
 
 #: The device every mrv2 tensor lives on.
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -9,7 +9,12 @@ import pathlib
 import pytest
 import torch
 
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# ../shared/data beside the checkout, or MRV2_SHARED_DATA (e.g. a copy carried to the GPU machine).
+SHARED_DATA = pathlib.Path(os.environ.get(
+    "MRV2_SHARED_DATA", pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+
+# NOTE: tiny ops on 2 busy cores run several times faster on one thread.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -237,6 +237,11 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     else:
         block_q = max(1, 64 // group_pad)
     block_n = 64
+    if TRITON_INTERPRET:
+        # NOTE: the interpreter pays per operation, not per element: few, wide tiles.
+        block_n = max(64, min(512, triton.next_power_of_2(max(max_seq_len, 1))))
+        if not decode:
+            block_q = max(1, min(128, triton.next_power_of_2(max_query_len)) // group_pad)
     num_splits = 1
     if decode and not TRITON_INTERPRET:
         # Flash-decoding: too few programs to fill the GPU, so split each sequence.
