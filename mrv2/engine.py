@@ -1,0 +1,95 @@
+"""One engine step: schedule -> runner.execute_model -> process the sampled tokens.
+
+The engine owns the CPU-side requests: it appends each sampled token, checks the
+stop conditions (EOS, ``stop_token_ids``, ``stop`` strings, ``max_tokens``, the
+model's length) and finishes requests, which frees their KV blocks at once and
+their state rows at the next step.
+"""
+
+from __future__ import annotations
+
+from mrv2.request import Request
+from mrv2.scheduler import Scheduler
+
+
+class Engine:
+    """Drives the scheduler and a runner (V2 by default).
+
+    Args:
+        scheduler: plans each step.
+        runner: anything with ``execute_model(SchedulerOutput) -> output`` whose
+            ``get_output()`` gives ``(req_ids, sampled_token_ids)``.
+        tokenizer: for stop strings and output text (``None``: token ids only).
+        max_model_len: a request ends with ``"length"`` when it reaches it.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner, tokenizer=None, max_model_len: int = 4096):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.num_steps = 0
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """Run one step.
+
+        Returns:
+            The requests that finished in this step.
+        """
+        sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.has_unfinished() and not sched.finished_req_ids:
+            raise RuntimeError("scheduler made no progress: a request cannot fit the KV pool")
+        output = self.runner.execute_model(sched)
+        self.num_steps += 1
+        finished = []
+        req_ids, sampled = output.get_output()
+        for req_id, token in zip(req_ids, sampled):
+            req = self.scheduler.requests.get(req_id)
+            if req is None or req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that did not reach the end: its sample is discarded
+            req.output_token_ids.append(token)
+            if self._check_stop(req, token):
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Apply the stop conditions to ``req`` after it sampled ``token``."""
+        sp = req.sampling_params
+        n_out = len(req.output_token_ids)
+        reason = stop_reason = None
+        if n_out >= sp.min_tokens and token in sp.all_stop_token_ids:
+            reason = "stop"
+            stop_reason = None if token not in sp.stop_token_ids else token
+        elif sp.stop and self.tokenizer is not None and n_out >= sp.min_tokens:
+            text = self.detokenize(req)
+            # Only a stop string that ends inside the newest token's text can be new.
+            for s in sp.stop:
+                idx = text.find(s, max(0, len(req.output_text) - len(s) + 1))
+                if idx >= 0:
+                    req.output_text = text[: idx + (len(s) if sp.include_stop_str_in_output else 0)]
+                    reason, stop_reason = "stop", s
+                    break
+            else:
+                req.output_text = text
+        if reason is None and sp.max_tokens is not None and n_out >= sp.max_tokens:
+            reason = "length"
+        if reason is None and req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        if stop_reason is None or isinstance(stop_reason, int):
+            req.output_text = self.detokenize(req)
+        self.scheduler.finish_request(req.request_id, reason, stop_reason)
+        return True
+
+    def detokenize(self, req: Request) -> str:
+        if self.tokenizer is None or not req.sampling_params.detokenize:
+            return ""
+        return self.tokenizer.decode(req.output_token_ids,
+                                     skip_special_tokens=req.sampling_params.skip_special_tokens)

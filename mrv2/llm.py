@@ -1,0 +1,282 @@
+"""``LLM``: vLLM's offline API over the mrv2 engine.
+
+``LLM(model=...)`` loads a Hugging Face folder (or the embedded tiny Qwen3 when
+no model is given), sizes the KV cache, builds the scheduler and the V2 model
+runner; ``generate`` tokenizes, submits, runs the step loop under a progress bar
+and returns one ``RequestOutput`` per prompt, in input order.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mrv2 import platform
+from mrv2.config import CacheConfig, SchedulerConfig
+from mrv2.engine import Engine
+from mrv2.kv_cache import KVCacheManager, cdiv
+from mrv2.outputs import CompletionOutput, RequestOutput
+from mrv2.request import Request
+from mrv2.sampling_params import SamplingParams
+from mrv2.scheduler import Scheduler
+
+# vLLM engine arguments that mean nothing for a single-device offline runner.
+_IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": None,
+                 "enable_prefix_caching": None, "swap_space": None, "disable_log_stats": None,
+                 "tokenizer_mode": None, "revision": None, "download_dir": None,
+                 "enable_chunked_prefill": None, "compilation_config": None}
+# Features the runner does not have yet: they fail loudly instead of being ignored.
+_UNSUPPORTED_PARAMS = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids")
+
+
+class LLM:
+    """An offline LLM engine with vLLM's interface.
+
+    Args:
+        model: a Hugging Face folder, a hub id (when online), or ``None`` for the
+            embedded tiny Qwen3 trained on Tiny Shakespeare.
+        tokenizer: tokenizer folder (default: the model's).
+        dtype: ``"auto"`` (bf16 on a GPU, fp32 on the CPU), ``"bfloat16"``, ...
+        seed: seeds the random seeds given to unseeded requests (and dummy weights).
+        max_num_seqs: most requests in one step (rows of the state table).
+        max_num_batched_tokens: token budget of one step (default 8192).
+        max_model_len: longest prompt + output (default: the model's).
+        block_size: tokens per KV block.
+        num_gpu_blocks_override: KV blocks in the pool (default: sized from memory).
+        gpu_memory_utilization: fraction of GPU memory to use (model + KV cache).
+        enforce_eager: never use CUDA graphs.
+        load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights).
+        skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs are ids.
+        runner: ``"v2"`` (default) — the model runner to use.
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 dtype: str | torch.dtype = "auto", seed: int = 0, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, num_gpu_blocks_override: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 runner: str = "v2", **kwargs):
+        for key, value in kwargs.items():
+            if key not in _IGNORED_ARGS:
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+            if _IGNORED_ARGS[key] is not None and value != _IGNORED_ARGS[key]:
+                raise ValueError(f"{key}={value!r} is not supported (mrv2 runs on one device)")
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        if runner != "v2":
+            raise ValueError(f"runner must be 'v2', got {runner!r}")
+        from mrv2.models.loader import load_model, resolve_model_path
+
+        self.dtype = platform.resolve_dtype(dtype)
+        self.device = platform.DEVICE
+        self.model_path = resolve_model_path(model)
+        torch.manual_seed(seed)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                load_format=load_format, seed=seed)
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
+
+        max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
+        max_model_len = max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs))
+        self.cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks_override,
+                                        gpu_memory_utilization=gpu_memory_utilization)
+        num_blocks = self.cache_config.num_gpu_blocks or self._auto_num_blocks()
+
+        from mrv2.runner import ModelRunner
+
+        self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
+                                  self.cache_config, num_blocks, self.device, self.dtype,
+                                  enforce_eager=enforce_eager)
+        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len)
+        self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
+        self._rng = random.Random(seed)
+        self._counter = 0
+
+    # -- set-up -----------------------------------------------------------------
+
+    def _kv_bytes_per_block(self) -> int:
+        from mrv2.models.qwen3 import kv_cache_shape, model_dims
+
+        shape = kv_cache_shape(self.hf_config, 1, self.cache_config.block_size)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return model_dims(self.hf_config).num_layers * int(torch.tensor(shape).prod()) * elem
+
+    def _auto_num_blocks(self) -> int:
+        """Blocks for the KV pool: what memory allows (GPU) or what the limits need (CPU)."""
+        cfg = self.scheduler_config
+        enough = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.cache_config.block_size)
+        per_block = self._kv_bytes_per_block()
+        if platform.HAS_CUDA:
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            # NOTE: leave room for activations and logits of a full token budget.
+            reserve = cfg.max_num_batched_tokens * self.hf_config.vocab_size * 4 + (1 << 30)
+            budget = int(total * self.cache_config.gpu_memory_utilization) - used - reserve
+        else:
+            budget = 2 << 30  # 2 GiB of host memory at most
+        blocks = min(enough, budget // per_block)
+        if blocks < cdiv(cfg.max_model_len, self.cache_config.block_size):
+            raise ValueError(f"not enough memory for one sequence of max_model_len={cfg.max_model_len}: "
+                             f"{blocks} KV blocks fit; lower max_model_len or raise "
+                             "gpu_memory_utilization")
+        return blocks
+
+    # -- generation ---------------------------------------------------------------
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, prompt_token_ids=None) -> list[RequestOutput]:
+        """Generate completions for ``prompts``.
+
+        Args:
+            prompts: a string, a list of strings, a ``{"prompt_token_ids": [...]}``
+                dict (or ``{"prompt": ...}``), or a list of such dicts.
+            sampling_params: one ``SamplingParams`` for all prompts, or one per prompt.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One ``RequestOutput`` per prompt, in input order.
+        """
+        if prompts is None and prompt_token_ids is not None:
+            prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        # Validate everything before submitting anything: a bad prompt loses no other request.
+        parsed = [self._parse_prompt(p) for p in prompts]
+        for sp in params:
+            self._check_params(sp)
+        groups: list[list[Request]] = []
+        for (text, ids), sp in zip(parsed, params):
+            groups.append([self._make_request(text, ids, sp, i) for i in range(sp.n)])
+        for group in groups:
+            for req in group:
+                self.engine.add_request(req)
+        self._run(len(groups), groups, use_tqdm)
+        return [self._to_output(g) for g in groups]
+
+    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True "
+                                 "pass {'prompt_token_ids': [...]}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self._parse_prompt(prompt["prompt"])
+        else:
+            raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        vocab = self.hf_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        max_len = self.scheduler_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens long, but max_model_len is {max_len}: "
+                             "it must be shorter to leave room for one generated token")
+        need = cdiv(len(ids) + 1, self.cache_config.block_size)
+        if need > self.kv_manager.num_blocks:
+            raise ValueError(f"the prompt needs {need} KV blocks but the pool has only "
+                             f"{self.kv_manager.num_blocks}")
+        return text, ids
+
+    def _check_params(self, sp: SamplingParams) -> None:
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        for name in _UNSUPPORTED_PARAMS:
+            if getattr(sp, name):
+                raise NotImplementedError(f"SamplingParams.{name} is not supported by mrv2 yet")
+        if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens:
+            raise NotImplementedError("penalties and min_tokens are not supported by mrv2 yet")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+
+    def _make_request(self, text, ids, sp: SamplingParams, index: int) -> Request:
+        sp = sp.clone()
+        if sp.seed is None:
+            sp.seed = self._rng.getrandbits(63)  # one seeded path serves every request
+        elif index:
+            sp.seed += index  # the n completions of a seeded prompt differ, reproducibly
+        sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+        req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text)
+        req.index = index
+        self._counter += 1
+        return req
+
+    def _run(self, num_prompts: int, groups, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        left = {id(g): len(g) for g in groups}
+        owner = {r.request_id: id(g) for g in groups for r in g}
+        out_tokens = 0
+        try:
+            while self.engine.has_unfinished():
+                for req in self.engine.step():
+                    out_tokens += len(req.output_token_ids)
+                    left[owner[req.request_id]] -= 1
+                    if left[owner[req.request_id]] == 0:
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 1e-9
+                        bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+
+    def _to_output(self, group: list[Request]) -> RequestOutput:
+        first = group[0]
+        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
+                                 cumulative_logprob=r.cumulative_logprob, logprobs=r.logprobs,
+                                 finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                for r in group]
+        return RequestOutput(request_id=first.request_id, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=None,
+                             outputs=outs, finished=all(r.is_finished for r in group))
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 — re-raised with advice
+        raise ValueError(f"could not load a tokenizer from {path} ({exc}); pass tokenizer=... or "
+                         "skip_tokenizer_init=True and token-id prompts") from exc
+
+
+def _eos_ids(model_path, hf_config, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    import json
+    import pathlib
+
+    ids = None
+    gen = pathlib.Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        warnings.warn("no EOS token id found: requests stop only on length or stop ids")
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}

@@ -1,0 +1,72 @@
+"""``Request``: the engine's CPU-side view of one sequence being generated.
+
+The scheduler reads it to plan steps; the engine appends sampled tokens to it
+and checks stop conditions. The runner never sees it: the runner's truth is the
+device state table (``state.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from mrv2.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence: prompt, generated tokens and how far the KV cache has got.
+
+    Attributes:
+        num_computed_tokens: tokens whose KV is in the cache, as planned by the
+            scheduler (the device copy in the state table is the runner's truth).
+        output_token_ids: sampled tokens, appended by the engine.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival: int, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival = arrival
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Tokens the runner must prefill when this request is (re)admitted.
+        self.prefill_token_ids: list[int] = list(prompt_token_ids)
+        # Extras filled by the engine (detokenized text, logprobs, ...).
+        self.output_text = ""
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None
+        self.cumulative_logprob: float | None = (
+            0.0 if sampling_params.logprobs is not None else None)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens known on the CPU."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

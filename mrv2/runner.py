@@ -1,0 +1,137 @@
+"""ModelRunner (V2): the common execution path of one step, and nothing else.
+
+``execute_model`` turns a ``SchedulerOutput`` into sampled tokens:
+
+1. free the state rows of finished/preempted requests, add new ones, append new
+   KV block ids — all staged on the CPU and applied in one kernel launch each;
+2. send ``idx_mapping`` (batch slot -> state row) and the token counts to the
+   device, then build ``input_ids``, ``positions``, ``query_start_loc``,
+   ``seq_lens``, the gathered block table and ``slot_mapping`` with Triton kernels;
+3. run the model on the flat batch, take the logits of the last token of each
+   request, sample, and let the post-update kernel append the sampled tokens to
+   the state table on the device.
+
+The sampled ids stay on the device; the returned output copies them to the host
+only when the engine asks (``get_output``). See notebooks/04_triton_input_prep.ipynb.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.block_table import BlockTables
+from mrv2.config import CacheConfig, SchedulerConfig
+from mrv2.forward_context import set_forward_context
+from mrv2.input_batch import InputBuffers, prepare_input_batch
+from mrv2.kernels.input_prep import post_update
+from mrv2.kv_cache import cdiv
+from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
+from mrv2.sample import Sampler, SamplingMetadata
+from mrv2.scheduler import SchedulerOutput
+from mrv2.state import RequestStateTable
+
+
+class ModelRunnerOutput:
+    """The sampled tokens of one step, kept on the device until asked for.
+
+    Attributes:
+        req_ids: the scheduled requests, in batch order.
+        sampled_token_ids: ``[num_reqs]`` device tensor (``None`` for an empty step).
+    """
+
+    def __init__(self, req_ids: list[str], sampled_token_ids: torch.Tensor | None):
+        self.req_ids = req_ids
+        self.sampled_token_ids = sampled_token_ids
+
+    def get_output(self) -> tuple[list[str], list[int]]:
+        """Copy the sampled ids to the host (this waits for the step to finish)."""
+        if self.sampled_token_ids is None:
+            return [], []
+        return self.req_ids, self.sampled_token_ids.tolist()
+
+
+class ModelRunner:
+    """Executes scheduled steps on one device with a stable request-state table.
+
+    Args:
+        model: a ``Qwen3ForCausalLM`` (flat tokens, paged KV cache).
+        hf_config: its Hugging Face config.
+        scheduler_config: step limits (rows of the state table, token budget, length).
+        cache_config: the KV block size.
+        num_blocks: KV blocks to allocate per layer.
+        device, dtype: where and in what precision.
+        enforce_eager: no CUDA graphs (they are not used by this runner yet).
+    """
+
+    def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, num_blocks: int, device: torch.device,
+                 dtype: torch.dtype, enforce_eager: bool = False):
+        self.model = model
+        self.device = device
+        self.max_num_reqs = scheduler_config.max_num_seqs
+        self.max_num_tokens = scheduler_config.max_num_batched_tokens
+        self.block_size = cache_config.block_size
+        self.vocab_size = model_dims(hf_config).vocab_size
+        self.state = RequestStateTable(self.max_num_reqs, scheduler_config.max_model_len, device)
+        self.block_tables = BlockTables(
+            self.max_num_reqs, cdiv(scheduler_config.max_model_len, self.block_size),
+            self.block_size, self.max_num_tokens, device)
+        self.buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, device)
+        shape = kv_cache_shape(hf_config, num_blocks, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)  # [2, blocks, bs, H_kv, D]
+                          for _ in range(model_dims(hf_config).num_layers)]
+        bind_kv_cache(model, self.kv_caches)
+        self.sampler = Sampler()
+        # CPU-side flags per row: enough to pick the sampler's code path without a sync.
+        self._row_greedy = np.ones(self.max_num_reqs, dtype=bool)
+        self._row_top_kp = np.zeros(self.max_num_reqs, dtype=bool)
+
+    # -- state updates (staged, one launch each) ---------------------------------
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            if req_id in self.state:
+                self.state.remove_request(req_id)
+        for new in sched.new_reqs:
+            sp = new.request.sampling_params
+            row = self.state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, {
+                "temperature": sp.temperature, "top_k": sp.top_k if sp.top_k > 0 else -1,
+                "top_p": sp.top_p, "min_p": sp.min_p, "seed": sp.seed,
+                "repetition_penalty": sp.repetition_penalty,
+                "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty})
+            self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
+            self._row_greedy[row] = sp.greedy
+            self._row_top_kp[row] = sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
+        for req_id, block_ids in sched.new_block_ids.items():
+            self.block_tables.append_block_ids(self.state.row_of(req_id), block_ids, overwrite=False)
+        self.state.apply_staged_writes()
+        self.block_tables.apply_staged_writes()
+
+    # -- one step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; returns before the sampled ids reach the host."""
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], None)
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = [self.state.row_of(r) for r in req_ids]
+        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+        batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
+                                    num_scheduled, max_query_len=max(num_scheduled),
+                                    max_seq_len=sched.max_seq_len)
+        num_reqs = batch.num_reqs
+        with set_forward_context(batch.attn_metadata):
+            hidden = self.model(batch.input_ids, batch.positions)  # [T_pad, hidden]
+        logits = self.model.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
+        meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
+                                needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
+        idx_mapping = batch.idx_mapping[:num_reqs]
+        # The sampled token sits at position seq_len (just after the step's last token).
+        sampled = self.sampler(logits.float(), idx_mapping, self.state,
+                               batch.seq_lens[:num_reqs], meta)  # [B]
+        post_update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled, num_reqs,
+                    self.state)
+        return ModelRunnerOutput(req_ids, sampled)

@@ -1,0 +1,167 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Each step has a token budget (``max_num_batched_tokens``) and a request cap
+(``max_num_seqs``). Running requests go first (decodes take one token, unfinished
+prefills take what the budget leaves: chunked prefill), then waiting requests are
+admitted. When the KV pool runs dry, the most recently admitted request is
+preempted: its blocks and state row are freed and it waits again, to be
+recomputed later from its prompt plus what it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mrv2.config import SchedulerConfig
+from mrv2.kv_cache import KVCacheManager, cdiv
+from mrv2.request import Request, RequestStatus
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must re-create after preemption)."""
+
+    req_id: str
+    prefill_token_ids: list[int]
+    prompt_len: int
+    request: Request
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step.
+
+    Attributes:
+        new_reqs: requests to add to the runner's state table.
+        new_block_ids: running request -> KV block ids appended this step.
+        num_scheduled_tokens: request -> tokens computed this step, in batch order.
+        finished_req_ids: requests whose state rows must be freed (finished or
+            preempted since the last step).
+        total_num_scheduled_tokens: sum of ``num_scheduled_tokens``.
+        max_seq_len: the longest sequence (cached + new tokens) in the step.
+    """
+
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    total_num_scheduled_tokens: int = 0
+    max_seq_len: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class Scheduler:
+    """Plans steps over a waiting queue and a running list.
+
+    Args:
+        config: request cap, token budget and length limit.
+        kv_manager: the KV block pool.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._freed_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request (checked by the engine: it fits the model and the pool)."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: str, stop_reason=None) -> None:
+        """End a request: free its blocks now and its state row at the next step."""
+        req = self.requests.pop(req_id)
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._freed_ids.add(req_id)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        # NOTE: recompute, not swap: it re-enters with its output so far as prompt.
+        req.prefill_token_ids = req.all_token_ids
+        self.waiting.appendleft(req)
+        self._freed_ids.add(req.request_id)
+        out.preempted_req_ids.add(req.request_id)
+        self.num_preemptions += 1
+
+    # -- one step -------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (it never blocks on the GPU)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests: decodes and unfinished (chunked) prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # waiting for a token still in flight
+                i += 1
+                continue
+            while (new := self.kv.allocate(req.request_id,
+                                           req.num_computed_tokens + num_new)) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if new is None:
+                break
+            if new:
+                out.new_block_ids[req.request_id] = new
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (skipped in a step that had to preempt).
+        while (self.waiting and budget > 0 and not out.preempted_req_ids
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(len(req.prefill_token_ids), budget)
+            new = self.kv.allocate(req.request_id, num_new)
+            if new is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_reqs.append(NewRequestData(
+                req.request_id, list(req.prefill_token_ids), req.num_prompt_tokens, req,
+                list(self.kv.get_blocks(req.request_id))))
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+
+        out.finished_req_ids = self._freed_ids
+        self._freed_ids = set()
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
+        return out
+
+    def max_blocks_per_req(self) -> int:
+        return cdiv(self.config.max_model_len, self.kv.block_size)
