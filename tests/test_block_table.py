@@ -7,6 +7,7 @@ import torch
 
 from mrv2.block_table import BlockTables
 from mrv2.kernels.block_table import compute_slot_mappings_ref, gather_block_tables_ref
+from mrv2.platform import DEVICE
 
 
 def _assert_matches_model(bt: BlockTables, model: dict[int, list[int]]) -> None:
@@ -16,7 +17,7 @@ def _assert_matches_model(bt: BlockTables, model: dict[int, list[int]]) -> None:
 
 
 def test_append_overwrite_and_one_launch_apply():
-    bt = BlockTables(4, 6, 4, 32, "cpu")
+    bt = BlockTables(4, 6, 4, 32, DEVICE)
     bt.append_block_ids(0, [3, 4], overwrite=True)
     bt.append_block_ids(0, [5], overwrite=False)          # same step: extends the run
     bt.append_block_ids(2, [9, 9, 9], overwrite=True)
@@ -41,7 +42,7 @@ def test_append_overwrite_and_one_launch_apply():
 def test_random_ops_match_python_model():
     rng = random.Random(0)
     R, C = 6, 10
-    bt = BlockTables(R, C, 16, 64, "cpu")
+    bt = BlockTables(R, C, 16, 64, DEVICE)
     model: dict[int, list[int]] = {}
     for step in range(30):
         for _ in range(rng.randint(0, 5)):
@@ -67,11 +68,12 @@ def test_random_ops_match_python_model():
 def test_gather_matches_reference(num_reqs, num_reqs_padded):
     g = torch.Generator().manual_seed(num_reqs * 10 + num_reqs_padded)
     R, C = 8, 7
-    bt = BlockTables(R, C, 4, 16, "cpu")
+    bt = BlockTables(R, C, 4, 16, DEVICE)
     bt.block_table.copy_(torch.randint(0, 1000, (R, C), generator=g, dtype=torch.int32))
     bt.input_block_table.fill_(-7)                         # stale contents from a past step
     idx_mapping = torch.randperm(R, generator=g)[:num_reqs_padded].to(torch.int32)
     idx_mapping[num_reqs:] = 12345                         # don't-care: never read
+    idx_mapping = idx_mapping.to(DEVICE)
     out = bt.gather_block_tables(idx_mapping, num_reqs)
     assert out.shape == (num_reqs_padded, C)
     # A view of the static buffer.
@@ -103,7 +105,7 @@ def _random_batch(g, R, C, block_size, num_reqs, max_query):
 def test_slot_mappings_match_reference(seed, num_reqs, pad_reqs, pad_tokens, block_size):
     g = torch.Generator().manual_seed(seed)
     R, C = 8, 6
-    bt = BlockTables(R, C, block_size, 128, "cpu")
+    bt = BlockTables(R, C, block_size, 128, DEVICE)
     bt.block_table.copy_(torch.randint(0, 500, (R, C), generator=g, dtype=torch.int32))
     idx, qsl, positions = _random_batch(g, R, C, block_size, num_reqs, max_query=9)
     num_tokens = positions.numel()
@@ -112,20 +114,21 @@ def test_slot_mappings_match_reference(seed, num_reqs, pad_reqs, pad_tokens, blo
     qsl = torch.cat([qsl, qsl[-1:].expand(pad_reqs)])
     positions = torch.cat([positions, torch.full((pad_tokens,), 777, dtype=torch.int32)])
     T = num_tokens + pad_tokens
+    idx, qsl, positions = idx.to(DEVICE), qsl.to(DEVICE), positions.to(DEVICE)
     out = bt.compute_slot_mappings(idx, qsl, positions, num_reqs, T)
     ref = compute_slot_mappings_ref(idx, qsl, positions, num_reqs, T, bt.block_table,
                                     block_size)
     assert out.dtype == torch.int64 and out.shape == (T,)
-    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out.cpu(), ref)
     assert (out[num_tokens:] == -1).all()
 
 
 def test_slot_mapping_block_boundary():
-    bt = BlockTables(2, 3, 4, 8, "cpu")
+    bt = BlockTables(2, 3, 4, 8, DEVICE)
     bt.append_block_ids(1, [10, 20, 30], overwrite=True)
     bt.apply_staged_writes()
-    idx = torch.tensor([1], dtype=torch.int32)
-    qsl = torch.tensor([0, 4], dtype=torch.int32)
-    positions = torch.tensor([3, 4, 7, 8], dtype=torch.int32)   # last of block 0 .. first of 2
+    idx = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([3, 4, 7, 8], dtype=torch.int32, device=DEVICE)   # last of block 0 .. first of 2
     out = bt.compute_slot_mappings(idx, qsl, positions, 1, 5)
     assert out.tolist() == [43, 80, 83, 120, -1]

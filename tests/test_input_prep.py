@@ -10,17 +10,18 @@ import torch
 from mrv2.block_table import BlockTables
 from mrv2.input_batch import InputBuffers, prepare_input_batch
 from mrv2.kernels.input_prep import post_update, post_update_ref, prepare_inputs, prepare_inputs_ref
+from mrv2.platform import DEVICE
 from mrv2.state import RequestStateTable
 
 i32 = torch.int32
 
 
 def _random_state(g, R, L):
-    state = RequestStateTable(R, L, "cpu")
+    state = RequestStateTable(R, L, DEVICE)
     state.token_ids.copy_(torch.randint(1, 1000, (R, L), generator=g, dtype=i32))
     state.total_len.copy_(torch.randint(1, L + 1, (R,), generator=g, dtype=i32))
     state.num_computed_tokens.copy_(
-        (torch.rand(R, generator=g) * state.total_len).to(i32))   # < total_len
+        (torch.rand(R, generator=g) * state.total_len.cpu()).to(i32))   # < total_len
     return state
 
 
@@ -28,7 +29,7 @@ def _run_prepare(state, idx, counts, num_reqs, T_pad):
     B_pad = idx.shape[0]
     sizes = {"query_start_loc": B_pad + 3, "seq_lens": B_pad + 2, "input_ids": T_pad + 2,
              "positions": T_pad + 2, "logits_indices": B_pad + 2}   # 2 spare: must stay -9
-    out = {name: torch.full((n,), -9, dtype=i32) for name, n in sizes.items()}
+    out = {name: torch.full((n,), -9, dtype=i32, device=DEVICE) for name, n in sizes.items()}
     prepare_inputs(idx, counts, num_reqs, T_pad, state, **out)
     return out
 
@@ -43,12 +44,14 @@ def test_prepare_inputs_matches_reference(seed, num_reqs, pad_reqs, pad_tokens):
     if num_reqs == 1:  # one token: a decode at the very last position of the row
         state.total_len.fill_(L), state.num_computed_tokens.fill_(L - 1)
     rows = torch.randperm(R, generator=g)[:num_reqs].to(i32)
-    remaining = state.total_len[rows.long()] - state.num_computed_tokens[rows.long()]
+    remaining = (state.total_len[rows.long()] - state.num_computed_tokens[rows.long()]).cpu()
     counts = (torch.rand(num_reqs, generator=g) * remaining).to(i32) + 1   # mixed chunks
     idx = torch.cat([rows, torch.full((pad_reqs,), 4321, dtype=i32)])      # don't-care
     counts = torch.cat([counts, torch.full((pad_reqs,), 55, dtype=i32)])   # don't-care
     T_pad = int(counts[:num_reqs].sum()) + pad_tokens
+    idx, counts = idx.to(DEVICE), counts.to(DEVICE)
     out = _run_prepare(state, idx, counts, num_reqs, T_pad)
+    out = {name: t.cpu() for name, t in out.items()}
     ref = prepare_inputs_ref(idx, counts, num_reqs, T_pad, state.token_ids,
                              state.num_computed_tokens)
     B_pad = num_reqs + pad_reqs
@@ -74,13 +77,14 @@ def test_post_update_matches_reference(seed):
     state.total_len[:2] = L                          # full rows: nothing to append
     state.num_computed_tokens[:2] = L - 1
     rows = torch.cat([torch.tensor([0, 1]), 2 + torch.randperm(R - 2, generator=g)])[:B]
-    remaining = state.total_len[rows] - state.num_computed_tokens[rows]
+    remaining = (state.total_len[rows] - state.num_computed_tokens[rows]).cpu()
     # Some chunks end exactly at total_len (append), some stop short (partial prefill).
     counts = torch.where(torch.rand(B, generator=g) < 0.5, remaining,
                          (torch.rand(B, generator=g) * remaining).to(i32).clamp(min=1))
     idx = torch.cat([rows.to(i32), torch.tensor([3, 3], dtype=i32)])      # 2 padding slots
     counts = torch.cat([counts.to(i32), torch.tensor([9, 9], dtype=i32)])
     sampled = torch.randint(0, 1000, (B + 2,), generator=g)               # int64 is fine
+    idx, counts, sampled = idx.to(DEVICE), counts.to(DEVICE), sampled.to(DEVICE)
     names = ("token_ids", "num_computed_tokens", "total_len", "last_sampled_token")
     ref = {n: getattr(state, n).clone() for n in names}
     post_update(idx, counts, sampled, B, state)
@@ -104,8 +108,8 @@ def test_steps_against_python_model(seed):
     rng = random.Random(seed)
     R, L, bs, budget = 6, 24, 4, 20
     C = math.ceil(L / bs)
-    state, bt = RequestStateTable(R, L, "cpu"), BlockTables(R, C, bs, budget + 8, "cpu")
-    buffers = InputBuffers(R, budget + 8, "cpu")
+    state, bt = RequestStateTable(R, L, DEVICE), BlockTables(R, C, bs, budget + 8, DEVICE)
+    buffers = InputBuffers(R, budget + 8, DEVICE)
     live: dict[str, _Req] = {}
     next_block, next_id = 0, 0
 
@@ -175,7 +179,7 @@ def test_steps_against_python_model(seed):
         assert md.block_table.shape == (B_pad, C) and md.query_start_loc.shape == (B_pad + 1,)
 
         # Sample, then update the table on the device; mirror it in the model.
-        sampled = torch.randint(1, 500, (B_pad,), dtype=i32)
+        sampled = torch.randint(1, 500, (B_pad,), dtype=i32).to(DEVICE)
         post_update(batch.idx_mapping, batch.num_scheduled_tokens, sampled, len(sched), state)
         for b, (req, n) in enumerate(sched):
             req.num_computed += n

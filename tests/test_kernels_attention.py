@@ -9,12 +9,13 @@ import torch
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels.attention import paged_attention, paged_attention_ref
+from mrv2.platform import DEVICE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size=16, num_pad_reqs=0,
-               num_pad_tokens=0, seed=0, dtype=torch.float32, device="cpu"):
+               num_pad_tokens=0, seed=0, dtype=torch.float32, device=DEVICE):
     """A random step. reqs: list of (num_cached_before, q_len), one per real request.
 
     Pages are handed out in a shuffled order; cache slots no request owns, block-table
@@ -113,10 +114,10 @@ def test_split_kv(num_splits):
 def test_out_buffer_and_strided_q():
     # q as a view into a fused qkv projection, written into a caller's buffer.
     q, kv_cache, md = make_batch([(10, 3), (0, 4)], 4, 2, 16, num_pad_tokens=1)
-    qkv = torch.randn(q.shape[0], 8 * 16)
+    qkv = torch.randn(q.shape[0], 8 * 16, device=DEVICE)
     qkv[:, :64] = q.reshape(q.shape[0], 64)
     q_view = qkv[:, :64].view(q.shape[0], 4, 16)
-    out = torch.full((q.shape[0], 4, 16), 7.0)
+    out = torch.full((q.shape[0], 4, 16), 7.0, device=DEVICE)
     res = paged_attention(q_view, kv_cache, md, 0.25, out=out)
     assert res is out
     torch.testing.assert_close(out[:7], paged_attention_ref(q, kv_cache, md, 0.25)[:7],
@@ -146,7 +147,9 @@ def test_bench_smoke(tmp_path):
     result = bench_attention.main(["--smoke", "--out", str(tmp_path / "a.json")])
     saved = json.loads((tmp_path / "a.json").read_text())
     assert saved["cases"] and saved["cases"][0]["us"] > 0
-    assert result["cases"][0]["max_abs_err_vs_ref"] < 1e-5
+    # fp32 under the interpreter matches the reference tightly; bf16 on the GPU does not.
+    tol = 1e-5 if saved["dtype"] == "float32" else 2e-2
+    assert result["cases"][0]["max_abs_err_vs_ref"] < tol
 
 
 @pytest.mark.gpu

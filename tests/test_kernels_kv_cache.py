@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from mrv2.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from mrv2.platform import DEVICE
 
 
 def _case(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, pad=0, seed=0,
-          dtype=torch.float32, device="cpu"):
+          dtype=torch.float32, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(device, dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(device, dtype)
@@ -43,7 +44,7 @@ def test_reference_semantics():
         if s >= 0:
             assert torch.equal(cache[0, s // 4, s % 4], key[t])
             assert torch.equal(cache[1, s // 4, s % 4], value[t])
-    untouched = torch.ones(4 * 4, dtype=torch.bool)
+    untouched = torch.ones(4 * 4, dtype=torch.bool, device=slots.device)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(cache.reshape(2, 16, 2, 8)[:, untouched],
                        before.reshape(2, 16, 2, 8)[:, untouched])
@@ -60,11 +61,11 @@ def test_strided_views_of_fused_qkv():
     # key/value as views into one [T, q + k + v] projection, as the model produces them.
     num_tokens, h_q, h_kv, d = 9, 4, 2, 16
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(num_tokens, (h_q + 2 * h_kv) * d, generator=g)
+    qkv = torch.randn(num_tokens, (h_q + 2 * h_kv) * d, generator=g).to(DEVICE)
     key = qkv[:, h_q * d:(h_q + h_kv) * d].view(num_tokens, h_kv, d)
     value = qkv[:, (h_q + h_kv) * d:].view(num_tokens, h_kv, d)
-    slots = torch.randperm(8 * 16, generator=g)[:num_tokens]
-    cache = torch.zeros(2, 8, 16, h_kv, d)
+    slots = torch.randperm(8 * 16, generator=g)[:num_tokens].to(DEVICE)
+    cache = torch.zeros(2, 8, 16, h_kv, d, device=DEVICE)
     expected = cache.clone()
     write_kv_cache_ref(key.contiguous(), value.contiguous(), expected, slots)
     write_kv_cache(key, value, cache, slots)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mrv2.kernels.state_writes import FLOAT_PARAMS, apply_state_writes_ref
+from mrv2.platform import DEVICE
 from mrv2.state import SAMPLING_DEFAULTS, RequestStateTable
 
 
@@ -31,12 +32,12 @@ def _assert_row(table: RequestStateTable, row: int, ids: list[int], prompt_len: 
     assert table.prefill_len[row] == len(ids) and table.total_len[row] == len(ids)
     assert table.num_computed_tokens[row] == 0 and table.last_sampled_token[row] == -1
     assert table.top_k[row] == top_k and table.seed[row] == seed
-    torch.testing.assert_close(table.float_params[:, row], torch.tensor(floats))
+    torch.testing.assert_close(table.float_params[:, row].cpu(), torch.tensor(floats))
 
 
 def test_kernel_matches_reference():
     rng = random.Random(0)
-    table = RequestStateTable(6, 40, "cpu")
+    table = RequestStateTable(6, 40, DEVICE)
     staged = []
     for i in range(5):
         n = rng.choice([1, 17, 40, rng.randint(1, 40)])
@@ -48,7 +49,7 @@ def test_kernel_matches_reference():
     table.apply_staged_writes()
     assert not table.has_staged_writes
 
-    ref = RequestStateTable(6, 40, "cpu")  # fresh tensors, same initial contents
+    ref = RequestStateTable(6, 40, DEVICE)  # fresh tensors, same initial contents
     names = ("token_ids", "prompt_len", "prefill_len", "total_len", "num_computed_tokens",
              "last_sampled_token", "top_k", "float_params", "seed")
     apply_state_writes_ref(staged, *(getattr(ref, n) for n in names))
@@ -60,7 +61,7 @@ def test_kernel_matches_reference():
 
 
 def test_defaults_and_boundaries():
-    table = RequestStateTable(2, 8, "cpu")
+    table = RequestStateTable(2, 8, DEVICE)
     assert table.temperature.tolist() == [1.0, 1.0] and table.top_k.tolist() == [-1, -1]
     full = list(range(8))                                 # exactly max_model_len tokens
     a = table.add_request("a", full, 3, {"seed": None, "temperature": 0.0})
@@ -77,7 +78,7 @@ def test_defaults_and_boundaries():
 
 
 def test_errors_name_the_problem():
-    table = RequestStateTable(2, 8, "cpu")
+    table = RequestStateTable(2, 8, DEVICE)
     table.add_request("a", [1, 2], 2)
     with pytest.raises(ValueError, match="already"):
         table.add_request("a", [1], 1)
@@ -100,7 +101,7 @@ def test_errors_name_the_problem():
 
 
 def test_add_then_remove_before_apply_writes_nothing():
-    table = RequestStateTable(3, 8, "cpu")
+    table = RequestStateTable(3, 8, DEVICE)
     row = table.add_request("a", [5, 5, 5], 3)
     assert table.remove_request("a") == row
     assert not table.has_staged_writes
@@ -116,7 +117,7 @@ def test_random_add_finish_preempt_sequences(seed):
     table equals a pure-Python model after every step's single apply."""
     rng = random.Random(seed)
     R, L = 5, 24
-    table = RequestStateTable(R, L, "cpu")
+    table = RequestStateTable(R, L, DEVICE)
     model: dict[str, tuple[int, list[int], int, dict]] = {}   # req -> (row, ids, plen, s)
     rows_ever_used: set[int] = set()
     next_id = 0

@@ -64,8 +64,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
-                 kv_cache_ptr, block_table_ptr, qk_scale, kh, d, d_ok,
-                 stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+                 kv_cache_ptr, block_table_ptr, qk_scale, kh0, e_off, e_ok,
+                 stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     # Find the page and offset of each of the BLOCK_N keys through the block table.
@@ -75,15 +75,15 @@ def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
         page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
     else:
         page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE)
-    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
-    k_ptrs = kv_cache_ptr + slot_off[None, :] + d[:, None] * stride_cd  # [BLOCK_D, BLOCK_N]
-    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + d[None, :] * stride_cd
+    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh0 * stride_ch
+    k_ptrs = kv_cache_ptr + slot_off[None, :] + e_off[:, None]          # [BLOCK_E, BLOCK_N]
+    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + e_off[None, :]
 
     # Scores in log2 units (scale * log2(e) folded in), fp32 accumulation.
     if MASKED:
-        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=e_ok[:, None] & n_ok[None, :], other=0.0)
     else:
-        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=e_ok[:, None], other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
     if MASKED:
         # Causal by absolute position, and nothing past this program's key range.
@@ -97,11 +97,16 @@ def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
 
     # Accumulate P @ V (masked keys load as 0 so stale cache bytes cannot make NaN).
     if MASKED:
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & e_ok[None, :], other=0.0)
     else:
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=e_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+# NOTE: under the interpreter every call of a @triton.jit helper re-patches
+# triton.language (~1.6 ms a call); the kernel calls the helper's plain Python body there.
+_attend_tile_body = _attend_tile.rewrite() if TRITON_INTERPRET else _attend_tile
 
 
 @triton.jit
@@ -113,14 +118,17 @@ def _paged_attention_kernel(
     stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FOLD: tl.constexpr,
+    ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Program = (request, block of BLOCK_Q query tokens, KV head x split of the keys).
+    # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
+    # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
+    # pays per operation, folds several into one block-diagonal problem (see below).
     b = tl.program_id(0)
     q_block = tl.program_id(1)
-    kh = tl.program_id(2) // NUM_SPLITS
+    kh0 = tl.program_id(2) // NUM_SPLITS * KV_FOLD
     split = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -129,18 +137,28 @@ def _paged_attention_kernel(
         return
     ctx_len = seq_len - q_len
 
-    # Rows of the dot (BLOCK_M = BLOCK_Q * GROUP_PAD): BLOCK_Q tokens x the GQA group
-    # of query heads sharing KV head kh.
+    # Rows of the dot (BLOCK_M = BLOCK_Q * KV_FOLD * GROUP_PAD): BLOCK_Q tokens x the
+    # folded KV heads x the GQA group of query heads sharing each KV head.
     m = tl.arange(0, BLOCK_M)
-    qi = q_block * BLOCK_Q + m // GROUP_PAD                             # [BLOCK_M] token in req
-    head = kh * GROUP + m % GROUP_PAD                                   # [BLOCK_M]
+    qi = q_block * BLOCK_Q + m // (KV_FOLD * GROUP_PAD)                 # [BLOCK_M] token in req
+    m_kh = m // GROUP_PAD % KV_FOLD                                     # [BLOCK_M] folded KV head
+    head = (kh0 + m_kh) * GROUP + m % GROUP_PAD                         # [BLOCK_M]
     row_ok = (qi < q_len) & (m % GROUP_PAD < GROUP)
     tok = q_start + qi                                                  # [BLOCK_M] flat token
     pos = ctx_len + qi                                                  # [BLOCK_M] abs position
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    # Columns (BLOCK_E = KV_FOLD * BLOCK_D): the head dims of each folded KV head side by
+    # side. A row's query fills only its own head's slice (zeros elsewhere), so Q @ K^T
+    # is exact per head and P @ V yields each row's head in its own slice.
+    e = tl.arange(0, KV_FOLD * BLOCK_D)
+    d = e % BLOCK_D                                                     # [BLOCK_E] head dim
+    e_kh = e // BLOCK_D                                                 # [BLOCK_E] folded KV head
+    e_ok = d < HEAD_DIM
+    e_off = e_kh * stride_ch + d * stride_cd                            # [BLOCK_E] in the cache
+    mask = row_ok[:, None] & e_ok[None, :]                              # [BLOCK_M, BLOCK_E]
+    if KV_FOLD > 1:
+        mask = mask & (m_kh[:, None] == e_kh[None, :])
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                + d[None, :] * stride_qd, mask=mask, other=0.0)         # [BLOCK_M, BLOCK_E]
     q = q.to(kv_cache_ptr.dtype.element_ty)  # tl.dot wants both operands in one dtype
 
     # Key range of this program: [lo, hi); keys below full_end are visible to every row.
@@ -149,25 +167,26 @@ def _paged_attention_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    if ONE_LOOP:  # NOTE: the interpreter pays per operation: mask every tile, one loop
+        full_end = 0
 
     # Online softmax state in fp32 (a finite start keeps fully masked rows NaN-free).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, KV_FOLD * BLOCK_D], dtype=tl.float32)
     for start in range(lo, tl.minimum(hi, full_end), BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = _attend_tile_body(
             acc, m_i, l_i, q, start, hi, pos, b, kv_cache_ptr, block_table_ptr, qk_scale,
-            kh, d, d_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+            kh0, e_off, e_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
             PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
     for start in range(tl.maximum(lo, full_end), hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = _attend_tile_body(
             acc, m_i, l_i, q, start, hi, pos, b, kv_cache_ptr, block_table_ptr, qk_scale,
-            kh, d, d_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_cd, stride_bt,
+            kh0, e_off, e_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
             PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
 
-    mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        # Normalise and store in the output dtype.
+        # Normalise and store each row's own head slice in the output dtype.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
                  + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -229,27 +248,38 @@ def _num_sms() -> int:
 
 
 def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
-                 max_seq_len: int) -> dict:
-    """Block sizes, warps and split count for one launch (host ints only, graph-safe)."""
+                 max_seq_len: int, block_d: int = 128) -> dict:
+    """Block sizes, warps, split count and KV-head fold for one launch (host ints only,
+    graph-safe). Compiled decode numbers come from an H200 sweep (scripts/bench_attention.py).
+    """
     decode = max_query_len <= 16
     if decode:  # rows = the few query tokens x group, padded to tl.dot's minimum of 16
         block_q = max(triton.next_power_of_2(max_query_len), 16 // group_pad, 1)
     else:
         block_q = max(1, 64 // group_pad)
-    block_n = 64
+    cfg = {"block_q": block_q, "block_n": 64, "num_splits": 1, "kv_fold": 1,
+           "num_warps": 4, "num_stages": 2}
     if TRITON_INTERPRET:
-        # NOTE: the interpreter pays per operation, not per element: few, wide tiles.
-        block_n = max(64, min(512, triton.next_power_of_2(max(max_seq_len, 1))))
+        # NOTE: the interpreter pays per operation, not per element: few, wide tiles, and
+        # as many KV heads per program as divide evenly (a power of two, <= 512 columns).
+        cfg["block_n"] = max(64, min(512, triton.next_power_of_2(max(max_seq_len, 1))))
         if not decode:
-            block_q = max(1, min(128, triton.next_power_of_2(max_query_len)) // group_pad)
-    num_splits = 1
-    if decode and not TRITON_INTERPRET:
-        # Flash-decoding: too few programs to fill the GPU, so split each sequence.
+            cfg["block_q"] = max(1, min(128, triton.next_power_of_2(max_query_len)) // group_pad)
+        fold = num_kv_heads & -num_kv_heads  # the largest power of two dividing it
+        cfg["kv_fold"] = max(1, min(fold, 512 // block_d))
+        return cfg
+    if decode:
         programs = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
-        want = triton.cdiv(8 * _num_sms(), max(programs, 1))
-        num_splits = max(1, min(want, triton.cdiv(max_seq_len, block_n), 32))
-    return {"block_q": block_q, "block_n": block_n, "num_splits": num_splits,
-            "num_warps": 4, "num_stages": 2}
+        # H200: 2 warps and a 3-4 stage pipeline beat 4/2 by ~10% at 64-256 requests.
+        cfg.update(num_warps=2, num_stages=4 if programs <= 512 else 3)
+        if programs < _num_sms():
+            # Flash-decoding: too few programs to fill the GPU, so split each sequence,
+            # but only into parts of >= 512 keys (shorter parts lose to the merge pass).
+            want = triton.cdiv(8 * _num_sms(), programs)
+            cfg["num_splits"] = max(1, min(want, max_seq_len // 512, 32))
+            if cfg["num_splits"] > 1:  # the split launch was measured with 4 warps, 2 stages
+                cfg.update(num_warps=4, num_stages=2)
+    return cfg
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -288,20 +318,23 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = _pick_config(num_reqs, num_kv_heads, group_pad, md.max_query_len, md.max_seq_len)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    cfg = _pick_config(num_reqs, num_kv_heads, group_pad, md.max_query_len, md.max_seq_len,
+                       block_d)
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     cfg.update(config or {})
     splits = cfg["num_splits"]
-    block_d = max(16, triton.next_power_of_2(head_dim))
 
     if splits > 1:
         part_acc = q.new_empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32)
         part_ml = q.new_empty(num_tokens, num_heads, splits, 2, dtype=torch.float32)
     else:  # unused by the compiled kernel
         part_acc = part_ml = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+    kv_fold = cfg["kv_fold"]
     fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
-    grid = (num_reqs, triton.cdiv(md.max_query_len, cfg["block_q"]), num_kv_heads * splits)
+    grid = (num_reqs, triton.cdiv(md.max_query_len, cfg["block_q"]),
+            num_kv_heads // kv_fold * splits)
     _paged_attention_kernel[grid](
         q, kv_cache, md.block_table, md.query_start_loc, md.seq_lens,
         out, part_acc, part_ml,
@@ -309,8 +342,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         *q.stride(), *out.stride(), *kv_cache.stride(), md.block_table.stride(0),
         *part_acc.stride()[:3], *part_ml.stride()[:3],
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        NUM_SPLITS=splits, DOT_PRECISION="ieee" if fp32 else "tf32",
-        BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * group_pad, BLOCK_N=cfg["block_n"],
+        NUM_SPLITS=splits, KV_FOLD=kv_fold, ONE_LOOP=TRITON_INTERPRET,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
+        BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
