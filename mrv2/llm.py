@@ -91,6 +91,11 @@ class LLM:
         self.cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks_override,
                                         gpu_memory_utilization=gpu_memory_utilization)
         num_blocks = self.cache_config.num_gpu_blocks or self._auto_num_blocks()
+        if num_blocks * block_size < max_model_len:
+            # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
+            raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
+                             f"{num_blocks * block_size} tokens, fewer than max_model_len="
+                             f"{max_model_len}: raise num_gpu_blocks_override or lower max_model_len")
 
         from mrv2.runner import ModelRunner
 
@@ -126,12 +131,7 @@ class LLM:
             budget = int(total * self.cache_config.gpu_memory_utilization) - used - reserve
         else:
             budget = 2 << 30  # 2 GiB of host memory at most
-        blocks = min(enough, budget // per_block)
-        if blocks < cdiv(cfg.max_model_len, self.cache_config.block_size):
-            raise ValueError(f"not enough memory for one sequence of max_model_len={cfg.max_model_len}: "
-                             f"{blocks} KV blocks fit; lower max_model_len or raise "
-                             "gpu_memory_utilization")
-        return blocks
+        return max(1, min(enough, budget // per_block))
 
     # -- generation ---------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class ModelRunner:
     # -- state updates (staged, one launch each) ---------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids:
+        for req_id in sorted(sched.finished_req_ids):  # sorted: rows do not depend on hashing
             if req_id in self.state:
                 self.state.remove_request(req_id)
         for new in sched.new_reqs:
