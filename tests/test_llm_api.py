@@ -127,11 +127,15 @@ def test_cli_generate_prints_text(capsys):
 
 
 def test_vllm_example_script_runs_with_only_the_import_changed():
+    import os
     import pathlib
     import subprocess
     import sys
 
     script = pathlib.Path(__file__).parents[1] / "examples" / "offline_inference.py"
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    root = str(script.parents[1])  # importable even where mrv2 is not pip-installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("Prompt:") == 4 and "'KING RICHARD III:'" in res.stdout
