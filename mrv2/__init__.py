@@ -26,4 +26,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mrv2' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -258,7 +258,7 @@ def _load_tokenizer(path):
 
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 — re-raised with advice
+    except Exception as exc:
         raise ValueError(f"could not load a tokenizer from {path} ({exc}); pass tokenizer=... or "
                          "skip_tokenizer_init=True and token-id prompts") from exc
 

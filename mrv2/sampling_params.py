@@ -123,7 +123,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         import copy
 
         return copy.deepcopy(self)

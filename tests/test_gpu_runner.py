@@ -9,8 +9,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mrv2 import LLM, SamplingParams  # noqa: E402
-from mrv2.models.loader import DEFAULT_MODEL_DIR  # noqa: E402
+from mrv2 import LLM, SamplingParams
+from mrv2.models.loader import DEFAULT_MODEL_DIR
 
 
 def _qwen3_config_dir():

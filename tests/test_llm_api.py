@@ -135,7 +135,7 @@ def test_vllm_example_script_runs_with_only_the_import_changed():
     script = pathlib.Path(__file__).parents[1] / "examples" / "offline_inference.py"
     root = str(script.parents[1])  # importable even where mrv2 is not pip-installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True,
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("Prompt:") == 4 and "'KING RICHARD III:'" in res.stdout
