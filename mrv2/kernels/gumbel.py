@@ -1,0 +1,457 @@
+"""Gumbel-max sampling in Triton, with a stateless RNG keyed by (seed, position, vocab id).
+
+Sampling token ``v`` with probability ``softmax(logits / T)[v]`` is the same as taking
+``argmax_v(logits[v] / T + g_v)`` with ``g_v`` i.i.d. Gumbel(0, 1) noise (the Gumbel-max
+trick). An argmax is a reduction, so the vocabulary is cut into blocks: each program
+adds the noise to one block of one row and keeps its (max, argmax); a second tiny
+kernel reduces the blocks of a row. No softmax and no probability vector is ever
+materialised, and nothing is sorted.
+
+The noise is a pure function of (request seed, absolute position of the token being
+sampled, vocab id): an integer hash of those three numbers, computed in the kernel.
+There is no RNG state to carry between steps, so a request samples exactly the same
+tokens alone, in a batch of 256, at any batch slot, with any padding. Per-row knobs
+(``temperature``, ``seed``) are read in the kernel through ``idx_mapping`` (batch slot
+-> state row), never expanded per logit.
+
+The RNG, in detail (every float step is plain IEEE fp32 with a fixed evaluation
+order, so the torch reference reproduces the kernel's noise bit for bit):
+
+1. Row keys: the 64-bit seed and 64-bit position, split into 32-bit words, go through
+   two chains of a 32-bit integer finaliser (``_mix32``: xorshift-multiply, a
+   bijection of uint32), giving two row keys ``k1, k2``. For a fixed seed, distinct
+   positions give distinct keys (each step of a chain is a bijection).
+2. Two independent 32-bit words per logit: ``x = v * 0x9E3779B1`` and
+   ``hi = mix(mix(x ^ k1) ^ k2)``, ``lo = mix(mix(x ^ k2) ^ k1)``: 64 random bits.
+3. ``u = (hi * 2**32 + lo + 0.5) / 2**64`` in (0, 1). The Gumbel variate is
+   ``g = -log(E)`` with ``E = -log(u)`` an Exponential(1) variate. The two tails need
+   care in fp32:
+   - the right tail of ``g`` (large values, the ones that win an argmax) comes from
+     ``u -> 1``, where ``E = -log(u)`` is tiny and ``1 - u`` carries all the
+     information. So ``1 - u`` is built directly from the complemented words
+     ``(~hi * 2**32 + ~lo + 0.5) / 2**64`` with full relative precision, and
+     ``E = -log(1 - u')`` with ``u' = 1 - u`` small is ``-log1p(-u')``. Triton has no
+     portable ``log1p``: for ``u' < 2**-4`` (top word < 2**28) a degree-6 series
+     ``u' + u'^2/2 + ... + u'^6/6`` is exact to fp32 precision (truncation < 2**-24
+     relative); otherwise ``E = -log(u)`` where ``u = 1 - u'`` is at most 15/16.
+   - the left tail (very negative ``g``) comes from ``u -> 0``, which the 64-bit
+     ``u`` resolves down to 2**-65.
+   So ``g`` spans about [-3.8, 45.1] with no quantisation at the top (a 24-bit
+   uniform, as an early vLLM version had, caps ``g`` at 16.6 and quantises it above
+   ~10, which under-samples tokens far below the top).
+4. ``log`` is a small fp32 routine of our own (range reduction to [sqrt(2)/2, sqrt(2)),
+   then the classic fdlibm/musl ``logf`` polynomial, < 1 ulp): ``tl.log``, numpy's and
+   torch's ``log`` disagree in the last bit on ~10% of inputs, ours is the same
+   sequence of IEEE operations everywhere. Divisions use ``div_rn`` and the GPU launch
+   turns off FMA contraction, so the GPU noise equals the CPU noise too.
+
+See notebooks/05_gumbel_sampling.ipynb.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from mrv2.platform import TRITON_INTERPRET
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 (so torch and Triton use the very same constant)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+_MASK32 = 0xFFFFFFFF
+#: Rows whose temperature is below this take the argmax (greedy).
+GREEDY_TEMPERATURE = 1e-5
+
+# logf constants (fdlibm / musl): ln 2 split in a high and a low part, then the
+# minimax polynomial of log((1 + s) / (1 - s)) in s^2.
+_LN2_HI_F = float.fromhex("0x1.62e300p-1")   # 6.9313812256e-01
+_LN2_LO_F = float.fromhex("0x1.2fefa2p-17")  # 9.0580006145e-06
+_LG1_F = float.fromhex("0xaaaaaa.0p-24")
+_LG2_F = float.fromhex("0xccce13.0p-25")
+_LG3_F = float.fromhex("0x91e9ee.0p-25")
+_LG4_F = float.fromhex("0xf89e26.0p-26")
+# -log1p(-u) = u + u^2/2 + ... + u^6/6 for u < 2**-4.
+_C3_F, _C5_F, _C6_F = _f32(1 / 3), _f32(1 / 5), _f32(1 / 6)
+_TWO_M32_F = 2.0 ** -32
+_TWO_M64_F = 2.0 ** -64
+#: The top hash word below which u' < 2**-4 takes the series.
+_SERIES_TOP = 1 << 28
+
+_LN2_HI: tl.constexpr = tl.constexpr(_LN2_HI_F)
+_LN2_LO: tl.constexpr = tl.constexpr(_LN2_LO_F)
+_LG1: tl.constexpr = tl.constexpr(_LG1_F)
+_LG2: tl.constexpr = tl.constexpr(_LG2_F)
+_LG3: tl.constexpr = tl.constexpr(_LG3_F)
+_LG4: tl.constexpr = tl.constexpr(_LG4_F)
+_C3: tl.constexpr = tl.constexpr(_C3_F)
+_C5: tl.constexpr = tl.constexpr(_C5_F)
+_C6: tl.constexpr = tl.constexpr(_C6_F)
+_TWO_M32: tl.constexpr = tl.constexpr(_TWO_M32_F)
+_TWO_M64: tl.constexpr = tl.constexpr(_TWO_M64_F)
+_SERIES_TOP_C: tl.constexpr = tl.constexpr(_SERIES_TOP)
+_GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
+_INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
+
+
+def _launch_options() -> dict:
+    # NOTE: on the GPU, Triton fuses a*b+c into one FMA by default, which rounds once
+    # where torch rounds twice: turn it off so the noise equals the reference bit for bit.
+    return {} if TRITON_INTERPRET else {"enable_fp_fusion": False}
+
+
+# --- the RNG in torch (the reference) -------------------------------------------------
+# uint32 values live in int64 tensors; products wrap modulo 2**64 and only the exact
+# low 32 bits are kept.
+
+def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit finaliser (xorshift-multiply, a bijection), on int64 holding uint32."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _row_keys_ref(seed: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row from the int64 seed and int64 position (both ``[B]``)."""
+    seed = seed.to(torch.int64)
+    pos = pos.to(torch.int64)
+    s_lo, s_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    p_lo, p_hi = pos & _MASK32, (pos >> 32) & _MASK32
+    a = _mix32_ref(_mix32_ref(_mix32_ref(s_hi ^ 0x9E3779B9) ^ s_lo) ^ p_hi)
+    k1 = _mix32_ref(a ^ p_lo)
+    b = _mix32_ref(_mix32_ref(_mix32_ref(s_lo ^ 0x85EBCA6B) ^ s_hi) ^ p_lo)
+    k2 = _mix32_ref(b ^ p_hi)
+    return k1, k2
+
+
+def hash_words_ref(seed: torch.Tensor, pos: torch.Tensor,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two random 32-bit words of every (row, vocab id).
+
+    Args:
+        seed: ``[B]`` int64; pos: ``[B]`` int64.
+        vocab_size: V.
+
+    Returns:
+        ``(hi, lo)``, each ``[B, V]`` int64 holding uint32.
+    """
+    k1, k2 = _row_keys_ref(seed, pos)                                         # [B], [B]
+    v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    x = ((v * 0x9E3779B1) & _MASK32)[None, :]                                 # [1, V]
+    hi = _mix32_ref(_mix32_ref(x ^ k1[:, None]) ^ k2[:, None])                # [B, V]
+    lo = _mix32_ref(_mix32_ref(x ^ k2[:, None]) ^ k1[:, None])                # [B, V]
+    return hi, lo
+
+
+def _log_ref(x: torch.Tensor) -> torch.Tensor:
+    """fp32 natural log of positive normal ``x``; the same IEEE steps as ``_logf``."""
+    ix = x.view(torch.int32) + (0x3F800000 - 0x3F3504F3)
+    k = ((ix >> 23) - 0x7F).to(torch.float32)
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).view(torch.float32) - 1.0           # [sqrt(.5)-1, sqrt(2)-1)
+    s = f / (f + 2.0)
+    z = s * s
+    w = z * z
+    t1 = w * (w * _LG4_F + _LG2_F)
+    t2 = z * (w * _LG3_F + _LG1_F)
+    r = t2 + t1
+    hfsq = f * f * 0.5
+    return s * (hfsq + r) + k * _LN2_LO_F - hfsq + f + k * _LN2_HI_F
+
+
+def words_to_gumbel_ref(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) variates from two uint32 words (int64 tensors), in fp32."""
+    u = hi.to(torch.float32) * _TWO_M32_F + (lo.to(torch.float32) + 0.5) * _TWO_M64_F
+    hi_c, lo_c = hi ^ _MASK32, lo ^ _MASK32
+    w = hi_c.to(torch.float32) * _TWO_M32_F + (lo_c.to(torch.float32) + 0.5) * _TWO_M64_F
+    # E = -log(1 - w) (Exponential(1)): a series when w is small, else -log(u).
+    poly = w * _C6_F + _C5_F
+    poly = w * poly + 0.25
+    poly = w * poly + _C3_F
+    poly = w * poly + 0.5
+    poly = w * poly + 1.0
+    e_small = w * poly
+    e_big = -_log_ref(u)
+    e = torch.where(hi_c < _SERIES_TOP, e_small, e_big)
+    return -_log_ref(e)
+
+
+def gumbel_noise_ref(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Stateless Gumbel(0, 1) noise keyed by (seed, position, vocab id).
+
+    Args:
+        seed: ``[B]`` int64 per-row seeds.
+        pos: ``[B]`` int64 absolute position of the token each row samples.
+        vocab_size: V.
+
+    Returns:
+        ``[B, V]`` float32 noise, bit-identical to ``gumbel_noise`` (the kernel).
+    """
+    hi, lo = hash_words_ref(seed, pos, vocab_size)
+    return words_to_gumbel_ref(hi, lo)
+
+
+# --- the RNG in Triton ------------------------------------------------------------------
+
+@triton.jit
+def _mix32(x):
+    # x: uint32; multiplications wrap modulo 2**32, shifts are logical.
+    x = (x ^ (x >> 16)) * 0x7FEB352D
+    x = (x ^ (x >> 15)) * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_keys(seed, pos):
+    # seed, pos: int64 (any shape) -> two uint32 keys of that shape.
+    s_lo = seed.to(tl.uint32)
+    s_hi = (seed >> 32).to(tl.uint32)
+    p_lo = pos.to(tl.uint32)
+    p_hi = (pos >> 32).to(tl.uint32)
+    a = _mix32(_mix32(_mix32(s_hi ^ 0x9E3779B9) ^ s_lo) ^ p_hi)
+    k1 = _mix32(a ^ p_lo)
+    b = _mix32(_mix32(_mix32(s_lo ^ 0x85EBCA6B) ^ s_hi) ^ p_lo)
+    k2 = _mix32(b ^ p_hi)
+    return k1, k2
+
+
+@triton.jit
+def _hash_words(k1, k2, v):
+    # k1, k2: uint32 row keys; v: int32 vocab ids (broadcastable) -> (hi, lo) uint32.
+    x = v.to(tl.uint32) * 0x9E3779B1
+    hi = _mix32(_mix32(x ^ k1) ^ k2)
+    lo = _mix32(_mix32(x ^ k2) ^ k1)
+    return hi, lo
+
+
+@triton.jit
+def _logf(x):
+    # Natural log of positive normal fp32 x: range reduction, then the logf polynomial.
+    ix = x.to(tl.int32, bitcast=True) + (0x3F800000 - 0x3F3504F3)
+    k = ((ix >> 23) - 0x7F).to(tl.float32)
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).to(tl.float32, bitcast=True) - 1.0
+    s = tl.math.div_rn(f, f + 2.0)
+    z = s * s
+    w = z * z
+    t1 = w * (w * _LG4 + _LG2)
+    t2 = z * (w * _LG3 + _LG1)
+    r = t2 + t1
+    hfsq = f * f * 0.5
+    return s * (hfsq + r) + k * _LN2_LO - hfsq + f + k * _LN2_HI
+
+
+@triton.jit
+def _words_to_gumbel(hi, lo):
+    # Two uint32 words -> a Gumbel(0, 1) fp32 variate (see the module docstring).
+    u = hi.to(tl.float32) * _TWO_M32 + (lo.to(tl.float32) + 0.5) * _TWO_M64
+    hi_c = hi ^ 0xFFFFFFFF
+    lo_c = lo ^ 0xFFFFFFFF
+    w = hi_c.to(tl.float32) * _TWO_M32 + (lo_c.to(tl.float32) + 0.5) * _TWO_M64  # 1 - u
+    poly = w * _C6 + _C5
+    poly = w * poly + 0.25
+    poly = w * poly + _C3
+    poly = w * poly + 0.5
+    poly = w * poly + 1.0
+    e_small = w * poly
+    e_big = -_logf(u)
+    e = tl.where(hi_c < _SERIES_TOP_C, e_small, e_big)
+    return -_logf(e)
+
+
+@triton.jit
+def _gumbel_noise_kernel(
+    seed_ptr, pos_ptr,                      # inputs
+    noise_ptr,                              # outputs
+    num_rows, vocab_size,                   # sizes
+    noise_stride,                           # strides
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # Load the row keys of a [BLOCK_B, BLOCK_V] tile, hash, store the noise.
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)                 # [BV]
+    row_mask = rows < num_rows
+    seed = tl.load(seed_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    k1, k2 = _row_keys(seed, pos)
+    hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])           # [BB, BV]
+    g = _words_to_gumbel(hi, lo)
+    mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+    tl.store(noise_ptr + rows[:, None].to(tl.int64) * noise_stride + cols[None, :], g, mask=mask)
+
+
+def _blocks(num_rows: int, vocab_size: int, block_v: int | None,
+            block_b: int | None) -> tuple[int, int]:
+    if block_v is None:
+        block_v = min(4096 if TRITON_INTERPRET else 8192, triton.next_power_of_2(max(vocab_size, 16)))
+    if block_b is None:
+        # NOTE: the interpreter runs programs one by one: many rows per program there;
+        # on the GPU one row per program already gives B * V / BLOCK_V programs.
+        block_b = (min(max(1, 262144 // block_v), triton.next_power_of_2(max(num_rows, 1)))
+                   if TRITON_INTERPRET else 1)
+    return block_v, block_b
+
+
+def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int, *,
+                 block_v: int | None = None, block_b: int | None = None) -> torch.Tensor:
+    """The kernel's Gumbel noise, materialised (for tests and the notebook).
+
+    Args:
+        seed: ``[B]`` int64; pos: ``[B]`` int64.
+        vocab_size: V.
+
+    Returns:
+        ``[B, V]`` float32, bit-identical to ``gumbel_noise_ref``.
+    """
+    num_rows = seed.shape[0]
+    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=seed.device)
+    if num_rows == 0 or vocab_size == 0:
+        return noise
+    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b)
+    grid = (triton.cdiv(num_rows, block_b), triton.cdiv(vocab_size, block_v))
+    _gumbel_noise_kernel[grid](seed, pos, noise, num_rows, vocab_size, noise.stride(0),
+                               BLOCK_B=block_b, BLOCK_V=block_v, **_launch_options())
+    return noise
+
+
+# --- Gumbel-max sampling ------------------------------------------------------------
+
+@triton.jit
+def _gumbel_block_argmax_kernel(
+    logits_ptr, idx_mapping_ptr, temperature_ptr, seed_ptr, pos_ptr,    # inputs
+    block_max_ptr, block_idx_ptr, out_ptr,                               # outputs
+    num_rows, vocab_size,                                                # sizes
+    logits_stride, partial_stride,                                       # strides
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    pid_v = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)                            # [BV]
+    row_mask = rows < num_rows
+    # Stage 1: per-row knobs through idx_mapping (batch slot -> state row).
+    req = tl.load(idx_mapping_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    temp = tl.load(temperature_ptr + req, mask=row_mask, other=0.0)
+    greedy = temp < _GREEDY_T
+    # Stage 2: load the logits tile; masked tokens and the tail of the last block are -inf.
+    mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
+                mask=mask, other=float("-inf")).to(tl.float32)               # [BB, BV]
+    # Stage 3: x / T + g for sampled rows, x for greedy rows (the noise only when needed).
+    if tl.sum((row_mask & (temp >= _GREEDY_T)).to(tl.int32), axis=0) > 0:
+        seed = tl.load(seed_ptr + req, mask=row_mask, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        k1, k2 = _row_keys(seed, pos)
+        hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
+        g = _words_to_gumbel(hi, lo)
+        safe_t = tl.where(greedy, 1.0, temp)
+        val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+    else:
+        val = x
+    # Stage 4: block max, ties to the lowest index; an all -inf block reports its first id.
+    best = tl.max(val, axis=1)                                                # [BB]
+    best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX), axis=1)
+    if SINGLE_BLOCK:
+        tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
+    else:
+        part = rows.to(tl.int64) * partial_stride + pid_v
+        tl.store(block_max_ptr + part, best, mask=row_mask)
+        tl.store(block_idx_ptr + part, best_idx, mask=row_mask)
+
+
+@triton.jit
+def _argmax_reduce_kernel(
+    block_max_ptr, block_idx_ptr,            # inputs
+    out_ptr,                                 # outputs
+    num_rows, num_blocks,                    # sizes
+    partial_stride,                          # strides
+    BLOCK_B: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    # Load every block's (max, argmax) of BLOCK_B rows; keep the max, lowest index on ties.
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
+    blk = tl.arange(0, BLOCK_NB)                                              # [NB]
+    mask = (rows < num_rows)[:, None] & (blk < num_blocks)[None, :]
+    offs = rows[:, None].to(tl.int64) * partial_stride + blk[None, :]
+    vals = tl.load(block_max_ptr + offs, mask=mask, other=float("-inf"))      # [BB, NB]
+    idx = tl.load(block_idx_ptr + offs, mask=mask, other=_INT32_MAX)
+    best = tl.max(vals, axis=1)
+    best_idx = tl.min(tl.where(vals == best[:, None], idx, _INT32_MAX), axis=1)
+    # NOTE: only a NaN logit leaves no match; report id 0 rather than an invalid id.
+    best_idx = tl.where(best_idx == _INT32_MAX, 0, best_idx)
+    tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=rows < num_rows)
+
+
+def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor,
+                  seed: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None, *,
+                  block_v: int | None = None, block_b: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
+    """Sample one token per row by Gumbel-max, without a softmax and without a CPU sync.
+
+    Row ``b`` (state row ``r = idx_mapping[b]``) takes ``argmax(logits[b])`` when
+    ``temperature[r] < 1e-5``, else ``argmax(logits[b] / temperature[r] + g)`` with
+    ``g = gumbel_noise_ref(seed[r], pos[b])``. Ties go to the lowest token id; a -inf
+    logit is never drawn while the row has a finite one.
+
+    Args:
+        logits: ``[B, V]`` float32 (or bfloat16 on the GPU); last dim contiguous.
+        idx_mapping: ``[B]`` int32 batch slot -> state-table row.
+        temperature: ``[R]`` float32 per state row.
+        seed: ``[R]`` int64 per state row.
+        pos: ``[B]`` int64 absolute position of the token each row samples.
+        out: optional ``[B]`` int64 to write into.
+        block_v, block_b, num_warps: launch overrides (defaults suit the platform).
+
+    Returns:
+        ``[B]`` int64 token ids (``out`` when given), on the logits' device.
+    """
+    num_rows, vocab_size = logits.shape
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b)
+    num_blocks = triton.cdiv(vocab_size, block_v)
+    grid = (triton.cdiv(num_rows, block_b), num_blocks)
+    opts = _launch_options()
+    if num_warps is not None or not TRITON_INTERPRET:
+        opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
+    if num_blocks == 1:
+        _gumbel_block_argmax_kernel[grid](
+            logits, idx_mapping, temperature, seed, pos, out, out, out,
+            num_rows, vocab_size, logits.stride(0), 0,
+            BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=True, **opts)
+        return out
+    block_max = torch.empty(num_rows, num_blocks, dtype=torch.float32, device=logits.device)
+    block_idx = torch.empty(num_rows, num_blocks, dtype=torch.int32, device=logits.device)
+    _gumbel_block_argmax_kernel[grid](
+        logits, idx_mapping, temperature, seed, pos, block_max, block_idx, out,
+        num_rows, vocab_size, logits.stride(0), num_blocks,
+        BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=False, **opts)
+    block_nb = triton.next_power_of_2(num_blocks)
+    rb = (min(max(1, 16384 // block_nb), triton.next_power_of_2(num_rows))
+          if TRITON_INTERPRET else 4)
+    _argmax_reduce_kernel[(triton.cdiv(num_rows, rb),)](
+        block_max, block_idx, out, num_rows, num_blocks, num_blocks,
+        BLOCK_B=rb, BLOCK_NB=block_nb)
+    return out
+
+
+def gumbel_sample_ref(logits: torch.Tensor, idx_mapping: torch.Tensor,
+                      temperature: torch.Tensor, seed: torch.Tensor,
+                      pos: torch.Tensor) -> torch.Tensor:
+    """The torch reference of ``gumbel_sample`` (same arguments, same ids).
+
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    req = idx_mapping.to(torch.int64)
+    temp = temperature[req]                                                   # [B]
+    greedy = temp < GREEDY_TEMPERATURE
+    x = logits.to(torch.float32)                                              # [B, V]
+    noise = gumbel_noise_ref(seed[req], pos, logits.shape[1])                 # [B, V]
+    val = torch.where(greedy[:, None], x, x / torch.where(greedy, 1.0, temp)[:, None] + noise)
+    return val.argmax(dim=-1)

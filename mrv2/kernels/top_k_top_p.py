@@ -1,0 +1,188 @@
+"""Top-k, top-p and min-p truncation in Triton, by threshold search instead of a sort.
+
+Each filter keeps the tokens whose (temperature-scaled) logit ``s = x / T`` is at
+least some threshold, and a token survives only if it passes all three, so what a
+row needs is one number: the largest of the three thresholds. Nothing has to be
+sorted to find it:
+
+- top-k: the k-th largest ``s``: the smallest ``t`` with ``count(s > t) < k``.
+- top-p: a token stays while the probability mass strictly above it is ``< top_p``:
+  the smallest ``t`` with ``sum(exp(s - m), s > t) < top_p * Z`` (``m`` the row max,
+  ``Z = sum(exp(s - m))``).
+- min-p: ``p >= min_p * p_max``, a direct comparison once ``m`` and ``Z`` are known.
+
+Both predicates are monotone in ``t``, so the threshold is found by search. The
+search runs over the *integer keys* of fp32 values (the bit pattern, with the low 31
+bits flipped for negatives, orders like the floats), so it ends on an exact logit
+value after at most 32 bits: each pass over the row tests ``NUM_PIVOTS`` candidate
+thresholds at once ([BLOCK_V, NUM_PIVOTS] compares), so 16 pivots need 8 passes.
+One program owns one row (through ``idx_mapping``) and loops over its vocabulary
+blocks: 1 pass for max / min, 8 search passes (which also sum ``Z``), 1 pass that
+writes -inf over the removed logits in place. Rows with every filter off (or greedy
+rows) return at once.
+
+Ties exactly at the threshold: every token tied with the threshold value is kept
+(a sort keeps only those that happen to come first). The top token always stays.
+
+See notebooks/05_gumbel_sampling.ipynb.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
+from mrv2.platform import TRITON_INTERPRET
+from mrv2.sample.sampler import apply_top_k_top_p_min_p as _apply_sorted
+
+_GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
+_INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
+
+
+@triton.jit
+def _top_k_top_p_min_p_kernel(
+    logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
+    # (outputs: logits_ptr, in place)
+    vocab_size,                                                                      # sizes
+    logits_stride,                                                                   # strides
+    BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, NUM_ROUNDS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    # Stage 1: the row's knobs through idx_mapping; skip rows with nothing to do.
+    req = tl.load(idx_mapping_ptr + b).to(tl.int64)
+    temp = tl.load(temperature_ptr + req)
+    k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
+    min_p = tl.load(min_p_ptr + req)
+    use_k = (k > 0) & (k < vocab_size)
+    use_p = top_p < 1.0
+    if (temp >= _GREEDY_T) & (use_k | use_p | (min_p > 0.0)):
+        row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
+        cols0 = tl.arange(0, BLOCK_V)
+        # Stage 2: row max m and smallest finite value of s = x / T.
+        m = float("-inf")
+        s_min = float("inf")
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + cols0
+            s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
+                                       other=float("-inf")).to(tl.float32), temp)
+            m = tl.maximum(m, tl.max(s, axis=0))
+            s_min = tl.minimum(s_min, tl.min(tl.where(s > float("-inf"), s, float("inf")), axis=0))
+        # Stage 3: two searches side by side, row 0 of a [2, P] pivot table for top-k
+        # (predicate: count(s > t) < k), row 1 for top-p (mass(s > t) < top_p * Z).
+        # Each looks for the smallest key t in (lo, hi] where its predicate holds; it
+        # holds at hi = key(m) and is taken to fail at lo = key(s_min) - 1.
+        # NOTE: key(s) = the fp32 bits, low 31 flipped for negatives: int order = float order.
+        m_bits = m.to(tl.int32, bitcast=True)
+        key_m = (m_bits ^ ((m_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        min_bits = s_min.to(tl.int32, bitcast=True)
+        key_min = (min_bits ^ ((min_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        is_k = (tl.arange(0, 2) == 0)[:, None]                                # [2, 1]
+        lo = tl.zeros([2], dtype=tl.int64) + (key_min - 1)                    # [2]
+        hi = tl.zeros([2], dtype=tl.int64) + key_m                            # [2]
+        j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)[None, :]              # [1, P]
+        z = 0.0
+        for rnd in range(NUM_ROUNDS):
+            piv = lo[:, None] + ((hi - lo)[:, None] * j) // NUM_PIVOTS         # [2, P]
+            piv32 = piv.to(tl.int32)[None, :, :]                               # [1, 2, P]
+            acc = tl.zeros([2, NUM_PIVOTS], dtype=tl.float32)  # count (row 0), mass (row 1)
+            z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in range(0, vocab_size, BLOCK_V):
+                cols = start + cols0
+                s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
+                                           other=float("-inf")).to(tl.float32), temp)
+                e = tl.exp(s - m)                                              # [BV]
+                bits = s.to(tl.int32, bitcast=True)
+                key = (bits ^ ((bits >> 31) & 0x7FFFFFFF))[:, None, None]      # [BV, 1, 1]
+                weight = tl.where(is_k[None, :, :], 1.0, e[:, None, None])     # [BV, 2, 1]
+                acc += tl.sum(tl.where(key > piv32, weight, 0.0), axis=0)      # [2, P]
+                z_acc += e
+            if rnd == 0:
+                z = tl.sum(z_acc, axis=0)
+            found = tl.where(is_k, acc < k.to(tl.float32), acc < top_p * z)    # [2, P]
+            # Predicates are monotone along the (non-decreasing) pivots: the first
+            # pivot that holds is the new hi, the last that fails the new lo.
+            hi = tl.min(tl.where(found, piv, hi[:, None]), axis=1)
+            lo = tl.max(tl.where(found, lo[:, None], piv), axis=1)
+        # Stage 4: one threshold (the larger of the active ones); the top token stays.
+        use = tl.where(tl.arange(0, 2) == 0, use_k, use_p)
+        thresh = tl.max(tl.where(use, hi, _INT32_MIN), axis=0)
+        thresh = tl.minimum(thresh, key_m).to(tl.int32)
+        # NOTE: min_p <= 0 gives p_floor <= 0, which no probability is below: off for free.
+        p_floor = min_p * (1.0 / z)
+        # Stage 5: write -inf over the removed logits.
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + cols0
+            mask = cols < vocab_size
+            s = tl.math.div_rn(tl.load(row_ptr + cols, mask=mask,
+                                       other=float("-inf")).to(tl.float32), temp)
+            bits = s.to(tl.int32, bitcast=True)
+            drop = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) < thresh
+            drop = drop | (tl.exp(s - m) / z < p_floor)
+            drop = drop & (s < m) & (s > float("-inf"))
+            neg_inf = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            tl.store(row_ptr + cols, neg_inf.to(logits_ptr.dtype.element_ty), mask=mask & drop)
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
+                            temperature: torch.Tensor, top_k: torch.Tensor,
+                            top_p: torch.Tensor, min_p: torch.Tensor, *,
+                            block_v: int | None = None, num_pivots: int = 16,
+                            num_warps: int | None = None) -> torch.Tensor:
+    """Write -inf, in place, over the logits that top-k / top-p / min-p remove.
+
+    Probabilities are those of ``logits / temperature``; greedy rows (temperature
+    < 1e-5) and rows with every filter off are left untouched. No CPU sync.
+
+    Args:
+        logits: ``[B, V]`` float32 (or bfloat16 on the GPU), last dim contiguous; modified.
+        idx_mapping: ``[B]`` int32 batch slot -> state-table row.
+        temperature: ``[R]`` float32.
+        top_k: ``[R]`` int32 (<= 0 or >= V: off).
+        top_p: ``[R]`` float32 (>= 1: off; the top token always stays).
+        min_p: ``[R]`` float32 (<= 0: off).
+        block_v, num_pivots, num_warps: launch overrides.
+
+    Returns:
+        ``logits`` itself.
+    """
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0 or vocab_size == 0:
+        return logits
+    if logits.stride(1) != 1:
+        raise ValueError("apply_top_k_top_p_min_p works in place and needs logits with a "
+                         f"contiguous last dim, got strides {tuple(logits.stride())}")
+    if num_pivots < 2 or num_pivots & (num_pivots - 1):
+        raise ValueError(f"num_pivots must be a power of two >= 2, got {num_pivots}")
+    if block_v is None:
+        block_v = min(4096 if TRITON_INTERPRET else 512,
+                      triton.next_power_of_2(max(vocab_size, 16)))
+    # The key range spans at most 2**32 values; each pass divides it by num_pivots.
+    num_rounds = -(-32 // (num_pivots.bit_length() - 1))
+    opts = {} if TRITON_INTERPRET else {"num_warps": num_warps or 8}
+    _top_k_top_p_min_p_kernel[(num_rows,)](
+        logits, idx_mapping, temperature, top_k, top_p, min_p,
+        vocab_size, logits.stride(0),
+        BLOCK_V=block_v, NUM_PIVOTS=num_pivots, NUM_ROUNDS=num_rounds, **opts)
+    return logits
+
+
+def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, idx_mapping: torch.Tensor,
+                                temperature: torch.Tensor, top_k: torch.Tensor,
+                                top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The sort-based torch reference (``mrv2.sample.sampler``), through ``idx_mapping``.
+
+    Same arguments as ``apply_top_k_top_p_min_p``; returns a new tensor.
+    """
+    req = idx_mapping.to(torch.int64)
+    temp = temperature[req]                                                   # [B]
+    greedy = temp < GREEDY_TEMPERATURE
+    scaled = logits.to(torch.float32) / torch.where(greedy, 1.0, temp)[:, None]  # [B, V]
+    # NOTE: top_p = 1 must be off; in the sorted reference the fp32 cumsum can reach 1.0
+    # before the last token and drop it, so pass a top_p it can never reach.
+    p = torch.where(top_p[req] >= 1.0, 2.0, top_p[req])
+    masked = _apply_sorted(scaled, top_k[req], p, min_p[req])
+    drop = (masked == float("-inf")) & ~greedy[:, None]
+    return logits.masked_fill(drop, float("-inf"))

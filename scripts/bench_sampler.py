@@ -1,0 +1,124 @@
+"""Benchmark Triton Gumbel-max sampling (+ top-k/top-p) against torch's softmax + multinomial.
+
+The torch baseline materialises ``softmax(logits / T)`` and draws with
+``torch.multinomial``; with top-k/top-p it first sorts every row. The Triton path adds
+hashed Gumbel noise block by block and reduces an argmax (no softmax, no sort), and
+finds the top-k/top-p threshold by a pivot search over the row. Writes JSON (hardware,
+versions, date, every figure) for notebooks/05_gumbel_sampling.ipynb.
+
+    python scripts/bench_sampler.py                       # GPU: 256 x 151,936
+    python scripts/bench_sampler.py --smoke --out /tmp/s.json   # tiny, runs on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform as py_platform
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# NOTE: mrv2 first: it switches Triton to its interpreter on a machine without CUDA.
+from mrv2.platform import DEVICE, HAS_CUDA  # noqa: I001
+
+import torch
+import triton
+
+from mrv2.kernels.gumbel import gumbel_sample
+from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p
+from mrv2.sample.sampler import apply_top_k_top_p_min_p as torch_top_k_top_p
+
+
+def _time_us(fn) -> float:
+    """Median time of fn() in microseconds (CUDA: do_bench; CPU: one warm, one timed run)."""
+    if HAS_CUDA:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def run_case(num_rows: int, vocab: int, dtype: torch.dtype, temperature: float,
+             top_k: int, top_p: float) -> dict:
+    """Time the Triton and the torch sampler on one shape; returns the figures."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = (torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3).to(dtype)
+    idx = torch.arange(num_rows, dtype=torch.int32, device=DEVICE)
+    temp = torch.full((num_rows,), temperature, device=DEVICE)
+    seed = torch.arange(num_rows, dtype=torch.int64, device=DEVICE)
+    pos = torch.full((num_rows,), 1000, dtype=torch.int64, device=DEVICE)
+    k = torch.full((num_rows,), top_k, dtype=torch.int32, device=DEVICE)
+    p = torch.full((num_rows,), top_p, device=DEVICE)
+    mp = torch.zeros(num_rows, device=DEVICE)
+    filtered = top_k > 0 or top_p < 1.0
+    work = logits.clone()
+
+    def triton_path():
+        x = logits
+        if filtered:
+            work.copy_(logits)  # NOTE: in place; restore so every run sees the same row
+            x = apply_top_k_top_p_min_p(work, idx, temp, k, p, mp)
+        return gumbel_sample(x, idx, temp, seed, pos)
+
+    def torch_path():
+        x = logits.float() / temp[:, None]
+        if filtered:
+            x = torch_top_k_top_p(x, k, p, mp)
+        return torch.multinomial(torch.softmax(x, dim=-1), 1)
+
+    row = {"num_rows": num_rows, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
+           "temperature": temperature, "top_k": top_k, "top_p": top_p,
+           "triton_us": _time_us(triton_path), "torch_us": _time_us(torch_path)}
+    if filtered:
+        row["triton_top_k_top_p_only_us"] = _time_us(
+            lambda: apply_top_k_top_p_min_p(work.copy_(logits), idx, temp, k, p, mp))
+        row["copy_only_us"] = _time_us(lambda: work.copy_(logits))
+        row["torch_top_k_top_p_only_us"] = _time_us(
+            lambda: torch_top_k_top_p(logits.float() / temp[:, None], k, p, mp))
+    row["speedup"] = row["torch_us"] / row["triton_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns the JSON it wrote."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (runs on the CPU)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampler.json"))
+    args = ap.parse_args(argv)
+    if not HAS_CUDA and not args.smoke:
+        ap.error("the full benchmark needs a CUDA GPU; use --smoke on the CPU")
+    num_rows, vocab = (4, 1000) if args.smoke else (256, 151_936)
+    dtypes = [torch.float32] if not HAS_CUDA else [torch.float32, torch.bfloat16]
+    settings = [(0.6, -1, 1.0), (0.6, 20, 0.95)]
+    results = [run_case(num_rows, vocab, dt, t, k, p) for dt in dtypes for t, k, p in settings]
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "hardware": torch.cuda.get_device_name() if HAS_CUDA else py_platform.processor() or "cpu",
+        "versions": {"python": py_platform.python_version(), "torch": torch.__version__,
+                     "triton": triton.__version__},
+        "smoke": args.smoke,
+        "results": results,
+    }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'dtype':>8} {'T':>4} {'top_k':>5} {'top_p':>5} {'triton us':>10} {'torch us':>10} "
+          f"{'speedup':>7}")
+    for r in results:
+        print(f"{r['dtype']:>8} {r['temperature']:>4} {r['top_k']:>5} {r['top_p']:>5} "
+              f"{r['triton_us']:>10.1f} {r['torch_us']:>10.1f} {r['speedup']:>7.2f}")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
