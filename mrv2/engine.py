@@ -9,6 +9,8 @@ their state rows at the next step.
 from __future__ import annotations
 
 from mrv2.request import Request
+from mrv2.sample.logprobs import make_logprob_dict
+from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
 from mrv2.scheduler import Scheduler
 
 
@@ -18,7 +20,7 @@ class Engine:
     Args:
         scheduler: plans each step.
         runner: anything with ``execute_model(SchedulerOutput) -> output`` whose
-            ``get_output()`` gives ``(req_ids, sampled_token_ids)``.
+            ``get_output()`` gives a ``runner.StepOutput``.
         tokenizer: for stop strings and output text (``None``: token ids only).
         max_model_len: a request ends with ``"length"`` when it reaches it.
     """
@@ -48,15 +50,29 @@ class Engine:
         output = self.runner.execute_model(sched)
         self.num_steps += 1
         finished = []
-        req_ids, sampled = output.get_output()
-        for req_id, token in zip(req_ids, sampled):
+        out = output.get_output()
+        detok = self._detok_token if self.tokenizer is not None else None
+        for req_id, tensors in out.prompt_logprobs.items():
+            req = self.scheduler.requests[req_id]
+            req.prompt_logprobs = prompt_logprobs_to_output(
+                *tensors, req.sampling_params.prompt_logprobs, detok)
+        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.scheduler.requests.get(req_id)
             if req is None or req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
             req.output_token_ids.append(token)
+            if req.logprobs is not None:
+                ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k
+                k = req.sampling_params.logprobs
+                req.logprobs.append(make_logprob_dict(ids, lps, rank, len(ids) - 1 if k == -1 else k,
+                                                      detok))
+                req.cumulative_logprob += lps[0]
             if self._check_stop(req, token):
                 finished.append(req)
         return finished
+
+    def _detok_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _check_stop(self, req: Request, token: int) -> bool:
         """Apply the stop conditions to ``req`` after it sampled ``token``."""

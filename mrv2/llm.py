@@ -30,7 +30,7 @@ _IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_
                  "tokenizer_mode": None, "revision": None, "download_dir": None,
                  "enable_chunked_prefill": None, "compilation_config": None}
 # Features the runner does not have yet: they fail loudly instead of being ignored.
-_UNSUPPORTED_PARAMS = ("logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids")
+_UNSUPPORTED_PARAMS = ("logit_bias", "allowed_token_ids")
 
 
 class LLM:
@@ -249,7 +249,8 @@ class LLM:
                                  finish_reason=r.finish_reason, stop_reason=r.stop_reason)
                 for r in group]
         return RequestOutput(request_id=first.request_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=None,
+                             prompt_token_ids=first.prompt_token_ids,
+                             prompt_logprobs=first.prompt_logprobs,
                              outputs=outs, finished=all(r.is_finished for r in group))
 
 

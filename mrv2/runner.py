@@ -17,6 +17,8 @@ only when the engine asks (``get_output``). See notebooks/04_triton_input_prep.i
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -27,28 +29,49 @@ from mrv2.input_batch import InputBuffers, prepare_input_batch
 from mrv2.kernels.input_prep import post_update
 from mrv2.kv_cache import cdiv
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
+from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.sample import Sampler, SamplingMetadata
+from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
 from mrv2.state import RequestStateTable
 
 
-class ModelRunnerOutput:
-    """The sampled tokens of one step, kept on the device until asked for.
+@dataclass
+class StepOutput:
+    """One step's results on the host.
 
     Attributes:
         req_ids: the scheduled requests, in batch order.
-        sampled_token_ids: ``[num_reqs]`` device tensor (``None`` for an empty step).
+        sampled_token_ids: one sampled id per request.
+        logprobs: per request, ``(ids, logprobs, rank)`` of the sampled token (column 0)
+            and the top-k, when some request asked for logprobs; else ``None``.
+        prompt_logprobs: request id -> ``(ids, logprobs, ranks)`` device tensors for a
+            request whose prompt logprobs became complete in this step.
     """
 
-    def __init__(self, req_ids: list[str], sampled_token_ids: torch.Tensor | None):
-        self.req_ids = req_ids
-        self.sampled_token_ids = sampled_token_ids
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: tuple[list, list, list] | None = None
+    prompt_logprobs: dict = field(default_factory=dict)
 
-    def get_output(self) -> tuple[list[str], list[int]]:
-        """Copy the sampled ids to the host (this waits for the step to finish)."""
+
+class ModelRunnerOutput:
+    """The sampled tokens of one step, kept on the device until asked for."""
+
+    def __init__(self, req_ids: list[str], sampled_token_ids: torch.Tensor | None,
+                 logprobs: tuple[torch.Tensor, ...] | None = None,
+                 prompt_logprobs: dict | None = None):
+        self.req_ids = req_ids
+        self.sampled_token_ids = sampled_token_ids  # [num_reqs] on the device
+        self.logprobs = logprobs                    # (ids [B, k+1], logprobs [B, k+1], ranks [B])
+        self.prompt_logprobs = prompt_logprobs or {}
+
+    def get_output(self) -> StepOutput:
+        """Copy the results to the host (this waits for the step to finish)."""
         if self.sampled_token_ids is None:
-            return [], []
-        return self.req_ids, self.sampled_token_ids.tolist()
+            return StepOutput([], [], None, self.prompt_logprobs)
+        lp = None if self.logprobs is None else tuple(t.tolist() for t in self.logprobs)
+        return StepOutput(self.req_ids, self.sampled_token_ids.tolist(), lp, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -86,6 +109,8 @@ class ModelRunner:
         # CPU-side flags per row: enough to pick the sampler's code path without a sync.
         self._row_greedy = np.ones(self.max_num_reqs, dtype=bool)
         self._row_top_kp = np.zeros(self.max_num_reqs, dtype=bool)
+        self._row_logprobs = np.full(self.max_num_reqs, -1, dtype=np.int64)  # k, or -1: none
+        self.prompt_logprobs = PromptLogprobsAccumulator(model.compute_logits)
 
     # -- state updates (staged, one launch each) ---------------------------------
 
@@ -93,6 +118,8 @@ class ModelRunner:
         for req_id in sorted(sched.finished_req_ids):  # sorted: rows do not depend on hashing
             if req_id in self.state:
                 self.state.remove_request(req_id)
+            if req_id not in sched.preempted_req_ids:  # a preempted request keeps its results
+                self.prompt_logprobs.remove_request(req_id)
         for new in sched.new_reqs:
             sp = new.request.sampling_params
             row = self.state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, {
@@ -103,6 +130,11 @@ class ModelRunner:
             self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
             self._row_greedy[row] = sp.greedy
             self._row_top_kp[row] = sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
+            k = sp.logprobs
+            self._row_logprobs[row] = -1 if k is None else (self.vocab_size if k == -1 else k)
+            if sp.prompt_logprobs is not None:
+                self.prompt_logprobs.add_request(new.req_id, new.prefill_token_ids[:new.prompt_len],
+                                                 sp.prompt_logprobs)
         for req_id, block_ids in sched.new_block_ids.items():
             self.block_tables.append_block_ids(self.state.row_of(req_id), block_ids, overwrite=False)
         self.state.apply_staged_writes()
@@ -129,9 +161,33 @@ class ModelRunner:
         meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
                                 needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
         idx_mapping = batch.idx_mapping[:num_reqs]
+        logits = logits.float()
+        max_logprobs = int(self._row_logprobs[rows].max())
+        # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
+        raw = logits.clone() if max_logprobs >= 0 and meta.needs_top_k_top_p else logits
         # The sampled token sits at position seq_len (just after the step's last token).
-        sampled = self.sampler(logits.float(), idx_mapping, self.state,
+        sampled = self.sampler(logits, idx_mapping, self.state,
                                batch.seq_lens[:num_reqs], meta)  # [B]
+        logprobs = None
+        if max_logprobs >= 0:
+            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([B,k+1], [B,k+1], [B])
         post_update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled, num_reqs,
                     self.state)
-        return ModelRunnerOutput(req_ids, sampled)
+        return ModelRunnerOutput(req_ids, sampled, logprobs,
+                                 self._prompt_logprobs(req_ids, num_scheduled, hidden))
+
+    def _prompt_logprobs(self, req_ids, num_scheduled, hidden) -> dict:
+        """Feed this step's hidden states of prompt tokens to the accumulator (chunked)."""
+        done = {}
+        if not self.prompt_logprobs:
+            return done
+        start = 0
+        for req_id, n in zip(req_ids, num_scheduled):
+            if req_id in self.prompt_logprobs:
+                self.prompt_logprobs.add_step(req_id, hidden[start:start + n])  # [n, hidden]
+                if self.prompt_logprobs.is_complete(req_id):
+                    tensors = self.prompt_logprobs.take_tensors(req_id)
+                    if tensors is not None:
+                        done[req_id] = tensors
+            start += n
+        return done

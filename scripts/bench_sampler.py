@@ -8,6 +8,7 @@ versions, date, every figure) for notebooks/05_gumbel_sampling.ipynb.
 
     python scripts/bench_sampler.py                       # GPU: 256 x 151,936
     python scripts/bench_sampler.py --smoke --out /tmp/s.json   # tiny, runs on the CPU
+    python scripts/bench_sampler.py --sweep                # + launch configs (block, warps)
 """
 
 from __future__ import annotations
@@ -88,11 +89,47 @@ def run_case(num_rows: int, vocab: int, dtype: torch.dtype, temperature: float,
     return row
 
 
+def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool) -> list[dict]:
+    """Time each kernel alone under a few launch configs (T = 0.6; top_k 20, top_p 0.95)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = (torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3).to(dtype)
+    idx = torch.arange(num_rows, dtype=torch.int32, device=DEVICE)
+    temp = torch.full((num_rows,), 0.6, device=DEVICE)
+    seed = torch.arange(num_rows, dtype=torch.int64, device=DEVICE)
+    pos = torch.full((num_rows,), 1000, dtype=torch.int64, device=DEVICE)
+    k = torch.full((num_rows,), 20, dtype=torch.int32, device=DEVICE)
+    p = torch.full((num_rows,), 0.95, device=DEVICE)
+    mp = torch.zeros(num_rows, device=DEVICE)
+    work = logits.clone()
+    dt = str(dtype).replace("torch.", "")
+    rows = []
+    g_cfgs = ([(256, 4)] if smoke else
+              [(bv, nw) for bv in (512, 1024, 2048, 4096, 8192) for nw in (2, 4, 8)])
+    for bv, nw in g_cfgs:
+        us = _time_us(lambda bv=bv, nw=nw: gumbel_sample(logits, idx, temp, seed, pos,
+                                                              block_v=bv, num_warps=nw))
+        rows.append({"kernel": "gumbel", "dtype": dt, "config": f"block_v={bv} warps={nw}",
+                     "us": us})
+    k_cfgs = ([(256, 16, None)] if smoke else
+              [(bv, np_, nw) for bv in (128, 256, 512, 1024) for np_ in (8, 16, 32)
+               for nw in (4, 8)])
+    for bv, np_, nw in k_cfgs:
+        us = _time_us(lambda bv=bv, np_=np_, nw=nw: apply_top_k_top_p_min_p(
+            work.copy_(logits), idx, temp, k, p, mp, block_v=bv, num_pivots=np_, num_warps=nw))
+        rows.append({"kernel": "top_k_top_p", "dtype": dt,
+                     "config": f"block_v={bv} pivots={np_} warps={nw}", "us": us})
+    rows.append({"kernel": "copy_only", "dtype": dt, "config": "-",
+                 "us": _time_us(lambda: work.copy_(logits))})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the JSON it wrote."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (runs on the CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampler.json"))
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time block/warp configs of both kernels (fp32 and bf16)")
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
         ap.error("the full benchmark needs a CUDA GPU; use --smoke on the CPU")
@@ -108,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         "smoke": args.smoke,
         "results": results,
     }
+    if args.sweep:
+        report["sweep"] = [r for dt in dtypes for r in sweep(num_rows, vocab, dt, args.smoke)]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -116,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in results:
         print(f"{r['dtype']:>8} {r['temperature']:>4} {r['top_k']:>5} {r['top_p']:>5} "
               f"{r['triton_us']:>10.1f} {r['torch_us']:>10.1f} {r['speedup']:>7.2f}")
+    for r in report.get("sweep", []):
+        print(f"sweep {r['kernel']:>12} {r['dtype']:>8} {r['config']} {r['us']:>10.1f} us")
     print(f"wrote {out}")
     return report
 

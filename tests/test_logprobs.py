@@ -15,7 +15,51 @@ from mrv2.kernels.logprobs import (
     token_ranks_ref,
 )
 from mrv2.outputs import Logprob
+from mrv2.platform import DEVICE
 from mrv2.sample.logprobs import sample_logprobs_to_output
+
+
+def _on_device(fn):
+    """``fn`` run on ``DEVICE``: tensor arguments move there (a no-op on the CPU), tensors
+    it changed in place are copied back, results come back to the CPU, so the CPU
+    references stay on the CPU and compare with the device kernels' outputs."""
+    import functools
+
+    def move(a):
+        return a.to(DEVICE) if isinstance(a, torch.Tensor) else a
+
+    def back(r, pairs):
+        if isinstance(r, torch.Tensor):
+            for orig, dev in pairs:
+                if r is dev:
+                    return orig
+            return r.cpu()
+        if isinstance(r, tuple):
+            return tuple(back(x, pairs) for x in r)
+        if isinstance(r, list):
+            return [back(x, pairs) for x in r]
+        return r
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+        dargs = [move(a) for a in args]
+        dkw = {k: move(v) for k, v in kw.items()}
+        res = fn(*dargs, **dkw)
+        pairs = [(a, d) for a, d in zip(list(args) + list(kw.values()), dargs + list(dkw.values()))
+                 if isinstance(a, torch.Tensor)]
+        for orig, dev in pairs:
+            if dev is not orig:
+                orig.copy_(dev)  # in-place outputs (logits, out=) back to the CPU tensor
+        return back(res, pairs)
+
+    return wrapped
+
+
+compute_topk_logprobs = _on_device(compute_topk_logprobs)
+gather_logprobs = _on_device(gather_logprobs)
+row_logsumexp = _on_device(row_logsumexp)
+token_ranks = _on_device(token_ranks)
+
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -144,10 +188,10 @@ def test_gpu_bf16_qwen3_vocab():
         logits = (torch.randn(num_rows, vocab, device="cuda", generator=g) * 4).bfloat16()
         sampled = torch.randint(0, vocab, (num_rows,), device="cuda", generator=g)
         ids, lps, ranks = compute_topk_logprobs(logits, 20, sampled)
-        _, ref_lps, ref_ranks = compute_topk_logprobs_ref(logits, 20, sampled)
-        assert torch.equal(ids[:, 0], sampled)
+        _, ref_lps, ref_ranks = (t.cpu() for t in compute_topk_logprobs_ref(logits, 20, sampled))
+        assert torch.equal(ids[:, 0], sampled.cpu())
         # bf16 logits tie often: compare the top-k logprobs by value, ranks exactly.
         torch.testing.assert_close(lps, ref_lps, atol=1e-4, rtol=1e-5)
         assert torch.equal(ranks, ref_ranks)
-        torch.testing.assert_close(row_logsumexp(logits), row_logsumexp_ref(logits),
+        torch.testing.assert_close(row_logsumexp(logits), row_logsumexp_ref(logits).cpu(),
                                    atol=1e-4, rtol=1e-5)

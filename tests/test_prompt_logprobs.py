@@ -7,6 +7,7 @@ import torch
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.logprobs import compute_topk_logprobs_ref
+from mrv2.platform import DEVICE
 from mrv2.sample.prompt_logprobs import (
     PromptLogprobsAccumulator,
     compute_prompt_logprobs,
@@ -26,7 +27,7 @@ class TinyLMHead:
 
     def __init__(self, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.weight = torch.randn(VOCAB, HIDDEN, generator=g)  # [V, H]
+        self.weight = torch.randn(VOCAB, HIDDEN, generator=g).to(DEVICE)  # [V, H]
         self.rows, self.max_rows, self.max_alive = 0, 0, 0
         self._alive: list[weakref.ref] = []
 
@@ -43,8 +44,8 @@ class TinyLMHead:
 def make_prompt(num_tokens: int, seed: int = 0):
     """Hidden states ``[T, H]`` (a function of the position) and prompt ids ``[T]``."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_tokens, HIDDEN, generator=g),
-            torch.randint(0, VOCAB, (num_tokens,), generator=g))
+    return (torch.randn(num_tokens, HIDDEN, generator=g).to(DEVICE),
+            torch.randint(0, VOCAB, (num_tokens,), generator=g).to(DEVICE))
 
 
 def reference(hidden, prompt, head, k):
@@ -108,7 +109,8 @@ def test_chunk_edges_and_k(num_logprobs):
 
 
 def test_empty_prompt_rows():
-    ids, lps, ranks = compute_prompt_logprobs(torch.zeros(0, HIDDEN), torch.zeros(0, dtype=torch.int64),
+    ids, lps, ranks = compute_prompt_logprobs(torch.zeros(0, HIDDEN, device=DEVICE),
+                                              torch.zeros(0, dtype=torch.int64, device=DEVICE),
                                               TinyLMHead(), 3)
     assert ids.shape == (0, 4) and lps.shape == (0, 4) and ranks.shape == (0,)
 

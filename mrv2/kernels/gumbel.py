@@ -286,10 +286,13 @@ def _gumbel_noise_kernel(
 def _blocks(num_rows: int, vocab_size: int, block_v: int | None,
             block_b: int | None) -> tuple[int, int]:
     if block_v is None:
-        block_v = min(4096 if TRITON_INTERPRET else 8192, triton.next_power_of_2(max(vocab_size, 16)))
+        block_v = min(4096 if TRITON_INTERPRET else 2048, triton.next_power_of_2(max(vocab_size, 16)))
     if block_b is None:
         # NOTE: the interpreter runs programs one by one: many rows per program there;
         # on the GPU one row per program already gives B * V / BLOCK_V programs.
+        # NOTE: the kernel is ALU-bound (hash, 2 logf, 3 div_rn per logit), not memory-bound;
+        # 2048 x 4 warps keeps 16 logits per thread (8192 x 8 warps: 32, likely spilling).
+        # `scripts/bench_sampler.py --sweep` times the alternatives.
         block_b = (min(max(1, 262144 // block_v), triton.next_power_of_2(max(num_rows, 1)))
                    if TRITON_INTERPRET else 1)
     return block_v, block_b
@@ -418,7 +421,7 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     grid = (triton.cdiv(num_rows, block_b), num_blocks)
     opts = _launch_options()
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
+        opts["num_warps"] = num_warps or (8 if block_v >= 8192 else 4)
     if num_blocks == 1:
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,

@@ -124,6 +124,9 @@ class PromptLogprobsAccumulator:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._reqs
 
+    def __len__(self) -> int:
+        return len(self._reqs)
+
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int] | torch.Tensor,
                     num_logprobs: int) -> None:
         """Register a request at admission, and again at each re-admission after preemption.

@@ -8,9 +8,11 @@ at any batch slot. Temperature 0 rows take the argmax. The per-request knobs are
 read from the state table rows (``state.temperature[idx_mapping]``), never
 expanded per logit on the CPU.
 
-This is the torch version that the runner core needs; the Triton sampling
-kernels (no softmax materialised, top-k logprobs) replace it in
-``mrv2/sample/`` as chapter 05 builds them.
+The work is done by Triton kernels (``mrv2/kernels/gumbel.py``: Gumbel-max, no
+softmax materialised; ``mrv2/kernels/top_k_top_p.py``: sort-free top-k / top-p /
+min-p). ``apply_top_k_top_p_min_p`` below is the plain sort-based torch version,
+kept as the executable specification the kernel is tested against. See
+notebooks/05_gumbel_sampling.ipynb.
 """
 
 from __future__ import annotations
@@ -18,37 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xorshift-multiply), on int64 holding uint32."""
-    # NOTE: the products overflow int64 and wrap; only the low 32 bits are kept, which are exact.
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise_ref(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Stateless Gumbel(0, 1) noise keyed by (seed, position, vocab id).
-
-    Args:
-        seed: ``[B]`` int64 per-row seeds.
-        pos: ``[B]`` absolute position of the token each row samples.
-        vocab_size: V.
-
-    Returns:
-        ``[B, V]`` float32 noise; ``u`` has 53 random bits, so the tail is unbiased.
-    """
-    v = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)  # [V]
-    key = _mix32((seed & _MASK32) ^ _mix32(((seed >> 32) & _MASK32) ^ 0x9E3779B9))  # [B]
-    key = _mix32(key ^ _mix32(pos.to(torch.int64) & _MASK32))  # [B]
-    h = _mix32(key[:, None] ^ _mix32(v ^ 0x85EBCA6B)[None, :])  # [B, V]
-    hi = _mix32(h ^ 0x68E31DA4) >> 5  # 27 bits
-    lo = _mix32(h ^ 0x1B56C4E9) >> 6  # 26 bits
-    u = ((hi * 67108864 + lo).to(torch.float64) + 0.5) / 9007199254740992.0  # (0, 1)
-    return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
 @dataclass
@@ -80,7 +51,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     drop = rank >= k
     # top-p: keep a token while the mass strictly before it is < top_p (the top token always stays).
     mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
-    drop |= mass_before >= top_p[:, None]
+    # NOTE: top_p == 1 must keep everything, even where the fp32 cumsum reaches 1 early.
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop |= probs < min_p[:, None] * probs[:, :1]
     drop[:, 0] = False
     masked = sorted_logits.masked_fill(drop, float("-inf"))
@@ -90,12 +62,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 class Sampler:
     """Turns ``[num_reqs, V]`` logits into ``[num_reqs]`` token ids without a CPU sync."""
 
+    def __init__(self):
+        # NOTE: imported here: kernels/top_k_top_p.py imports this module's reference.
+        from mrv2.kernels.gumbel import gumbel_sample
+        from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p as top_k_top_p_kernel
+
+        self._gumbel_sample = gumbel_sample
+        self._top_k_top_p = top_k_top_p_kernel
+
     def __call__(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state,
                  positions: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample one token per row.
 
         Args:
-            logits: ``[B, V]`` float32 logits of the rows that sample.
+            logits: ``[B, V]`` float32 logits of the rows that sample (masked in place
+                by top-k / top-p / min-p when a row uses them).
             idx_mapping: ``[B]`` batch slot -> state-table row.
             state: the ``RequestStateTable`` (per-row temperature, top-k/p, min-p, seed).
             positions: ``[B]`` absolute position of the token each row samples.
@@ -104,15 +85,10 @@ class Sampler:
         Returns:
             ``[B]`` int64 sampled token ids (still on the device).
         """
-        greedy_ids = logits.argmax(dim=-1)  # [B]
         if meta.all_greedy:
-            return greedy_ids
-        temp = state.temperature[idx_mapping]  # [B]
-        is_greedy = temp < 1e-5
-        scaled = logits / torch.where(is_greedy, 1.0, temp)[:, None]  # [B, V]
+            return logits.argmax(dim=-1)  # [B]
         if meta.needs_top_k_top_p:
-            scaled = apply_top_k_top_p_min_p(scaled, state.top_k[idx_mapping],
-                                             state.top_p[idx_mapping], state.min_p[idx_mapping])
-        noise = gumbel_noise_ref(state.seed[idx_mapping], positions, logits.shape[-1])  # [B, V]
-        sampled = (scaled + noise).argmax(dim=-1)  # [B]
-        return torch.where(is_greedy, greedy_ids, sampled)
+            self._top_k_top_p(logits, idx_mapping, state.temperature, state.top_k,
+                              state.top_p, state.min_p)
+        return self._gumbel_sample(logits, idx_mapping, state.temperature, state.seed,
+                                   positions.to(torch.int64))  # [B]
