@@ -29,8 +29,6 @@ _IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_
                  "enable_prefix_caching": None, "swap_space": None, "disable_log_stats": None,
                  "tokenizer_mode": None, "revision": None, "download_dir": None,
                  "enable_chunked_prefill": None, "compilation_config": None}
-# Features the runner does not have yet: they fail loudly instead of being ignored.
-_UNSUPPORTED_PARAMS = ("logit_bias", "allowed_token_ids")
 
 
 class LLM:
@@ -52,6 +50,9 @@ class LLM:
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs are ids.
         runner: ``"v2"`` (default) — the model runner to use.
+        logits_processors: batch-level GPU logits processors
+            (``mrv2.sample.logits_processors``): instances, or factories called as
+            ``factory(max_num_seqs, device)``.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -60,7 +61,7 @@ class LLM:
                  block_size: int = 16, num_gpu_blocks_override: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 runner: str = "v2", **kwargs):
+                 runner: str = "v2", logits_processors=(), **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -101,7 +102,8 @@ class LLM:
 
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
-                                  enforce_eager=enforce_eager)
+                                  enforce_eager=enforce_eager,
+                                  logits_processors=logits_processors)
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len)
@@ -204,11 +206,18 @@ class LLM:
     def _check_params(self, sp: SamplingParams) -> None:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        for name in _UNSUPPORTED_PARAMS:
-            if getattr(sp, name):
-                raise NotImplementedError(f"SamplingParams.{name} is not supported by mrv2 yet")
-        if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0 or sp.min_tokens:
-            raise NotImplementedError("penalties and min_tokens are not supported by mrv2 yet")
+        vocab = self.hf_config.vocab_size
+        for name, ids in (("logit_bias", sp.logit_bias or ()),
+                          ("allowed_token_ids", sp.allowed_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
+        rules = self.runner.logit_bias
+        if len(sp.logit_bias or ()) > rules.max_logit_bias:
+            raise ValueError(f"SamplingParams.logit_bias has {len(sp.logit_bias)} entries; "
+                             f"at most {rules.max_logit_bias}")
+        if len(sp.stop_token_ids) + len(self.eos_token_ids) > rules.max_stop_ids:
+            raise ValueError(f"SamplingParams.stop_token_ids: at most "
+                             f"{rules.max_stop_ids - len(self.eos_token_ids)} ids")
         if sp.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
 

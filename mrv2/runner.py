@@ -27,10 +27,13 @@ from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.forward_context import set_forward_context
 from mrv2.input_batch import InputBuffers, prepare_input_batch
 from mrv2.kernels.input_prep import post_update
+from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.kv_cache import cdiv
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
-from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.sample import Sampler, SamplingMetadata
+from mrv2.sample.logit_bias import LogitBiasState
+from mrv2.sample.logits_processors import LogitsProcessor, apply_logits_processors
+from mrv2.sample.penalties import PenaltyState, uses_penalties
 from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
 from mrv2.state import RequestStateTable
@@ -85,11 +88,13 @@ class ModelRunner:
         num_blocks: KV blocks to allocate per layer.
         device, dtype: where and in what precision.
         enforce_eager: no CUDA graphs (they are not used by this runner yet).
+        logits_processors: ``LogitsProcessor`` instances, or factories called as
+            ``factory(max_num_reqs, device)``, applied to every step's logits in order.
     """
 
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, enforce_eager: bool = False):
+                 dtype: torch.dtype, enforce_eager: bool = False, logits_processors=()):
         self.model = model
         self.device = device
         self.max_num_reqs = scheduler_config.max_num_seqs
@@ -111,13 +116,23 @@ class ModelRunner:
         self._row_top_kp = np.zeros(self.max_num_reqs, dtype=bool)
         self._row_logprobs = np.full(self.max_num_reqs, -1, dtype=np.int64)  # k, or -1: none
         self.prompt_logprobs = PromptLogprobsAccumulator(model.compute_logits)
+        self.logit_bias = LogitBiasState(self.max_num_reqs, self.vocab_size, device)
+        # NOTE: [rows, vocab] counts are large: made at the first request with penalties.
+        self.penalties: PenaltyState | None = None
+        self._row_penalized = np.zeros(self.max_num_reqs, dtype=bool)
+        self.logits_processors: list[LogitsProcessor] = [
+            p if isinstance(p, LogitsProcessor) else p(self.max_num_reqs, device)
+            for p in logits_processors]
 
     # -- state updates (staged, one launch each) ---------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sorted(sched.finished_req_ids):  # sorted: rows do not depend on hashing
             if req_id in self.state:
-                self.state.remove_request(req_id)
+                row = self.state.remove_request(req_id)
+                self.logit_bias.remove_request(row)
+                for proc in self.logits_processors:
+                    proc.remove_request(row)
             if req_id not in sched.preempted_req_ids:  # a preempted request keeps its results
                 self.prompt_logprobs.remove_request(req_id)
         for new in sched.new_reqs:
@@ -128,6 +143,15 @@ class ModelRunner:
                 "repetition_penalty": sp.repetition_penalty,
                 "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty})
             self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
+            prompt = new.prefill_token_ids[:new.prompt_len]
+            self.logit_bias.add_request(row, sp)
+            for proc in self.logits_processors:
+                proc.add_request(row, prompt, sp)
+            self._row_penalized[row] = uses_penalties(sp)
+            if self._row_penalized[row]:
+                if self.penalties is None:
+                    self.penalties = PenaltyState(self.max_num_reqs, self.vocab_size, self.device)
+                self.penalties.add_request(row, prompt, new.prefill_token_ids[new.prompt_len:])
             self._row_greedy[row] = sp.greedy
             self._row_top_kp[row] = sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
             k = sp.logprobs
@@ -139,6 +163,11 @@ class ModelRunner:
             self.block_tables.append_block_ids(self.state.row_of(req_id), block_ids, overwrite=False)
         self.state.apply_staged_writes()
         self.block_tables.apply_staged_writes()
+        self.logit_bias.apply_staged_writes()
+        if self.penalties is not None:
+            self.penalties.apply_staged_writes()
+        for proc in self.logits_processors:
+            proc.apply_staged_writes()
 
     # -- one step -------------------------------------------------------------------
 
@@ -164,13 +193,22 @@ class ModelRunner:
         logits = logits.float()
         max_logprobs = int(self._row_logprobs[rows].max())
         # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
-        raw = logits.clone() if max_logprobs >= 0 and meta.needs_top_k_top_p else logits
+        raw = logits.clone() if max_logprobs >= 0 else logits
+        # Logit rules, in place: bias / allowed ids / min_tokens, penalties, processors.
+        if self.logit_bias.any_active(rows):
+            self.logit_bias.apply(logits, idx_mapping, self.state)
+        if self._row_penalized[rows].any():
+            self.penalties.apply(logits, idx_mapping, self.state)
+        logits = apply_logits_processors(self.logits_processors, logits, idx_mapping, self.state)
         # The sampled token sits at position seq_len (just after the step's last token).
         sampled = self.sampler(logits, idx_mapping, self.state,
                                batch.seq_lens[:num_reqs], meta)  # [B]
         logprobs = None
         if max_logprobs >= 0:
             logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([B,k+1], [B,k+1], [B])
+        if self.penalties is not None:  # NOTE: before post_update, which moves total_len
+            self.penalties.update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled,
+                                  num_reqs, self.state)
         post_update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled, num_reqs,
                     self.state)
         return ModelRunnerOutput(req_ids, sampled, logprobs,

@@ -82,3 +82,44 @@ def test_top_k_one_is_greedy():
     topk1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8,
                                                  ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in topk1] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_logit_rules_through_generate():
+    from mrv2.sample.logits_processors import (
+        NoRepeatNGramLogitsProcessor,
+        TokenBanLogitsProcessor,
+        no_repeat_ngram_banned_ref,
+    )
+
+    llm = LLM(max_model_len=64, max_num_seqs=4, dtype="float32")
+    base = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    # allowed_token_ids: only these ids come out; logit_bias: a huge bias forces a token.
+    allowed = [5, 17, 300]
+    out = llm.generate("ROMEO:", [SamplingParams(temperature=1.0, seed=0, max_tokens=12,
+                                                 ignore_eos=True, allowed_token_ids=allowed)],
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert set(out) <= set(allowed)
+    out = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                logit_bias={42: 100.0}), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [42] * 6
+    # A repetition penalty changes the greedy text of this repetitive model.
+    pen = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                repetition_penalty=2.0), use_tqdm=False)
+    assert pen[0].outputs[0].token_ids != base
+    # min_tokens: EOS (here: the greedy 3rd token, made the EOS id) is banned until 8 tokens.
+    llm.eos_token_ids = {base[2]}
+    out = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12, min_tokens=8),
+                       use_tqdm=False)[0].outputs[0]
+    assert base[2] not in out.token_ids[:8] and len(out.token_ids) >= 8
+    # Logits processors from LLM(...): no n-gram repeats, banned ids never appear.
+    banned = sorted(set(base))[:3]
+    llm2 = LLM(max_model_len=64, max_num_seqs=4, dtype="float32", logits_processors=[
+        lambda rows, dev: NoRepeatNGramLogitsProcessor(2, rows, dev),
+        TokenBanLogitsProcessor(banned, "cpu" if not torch.cuda.is_available() else "cuda")])
+    toks = llm2.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0]
+    ids = toks.prompt_token_ids + toks.outputs[0].token_ids
+    assert not set(banned) & set(toks.outputs[0].token_ids)
+    for j in range(len(toks.prompt_token_ids), len(ids)):
+        assert ids[j] not in no_repeat_ngram_banned_ref(ids[:j], 2)
