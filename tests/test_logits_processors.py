@@ -61,9 +61,10 @@ def test_no_repeat_ngram_never_repeats_while_generating():
     proc.apply_staged_writes()
     idx = torch.arange(R, dtype=torch.int32, device=DEVICE)
     sched = (table.total_len - table.num_computed_tokens).to(torch.int32)
+    g = torch.Generator().manual_seed(7)  # CPU draws: the same logits on every device
     for _ in range(20):
         # Favour few tokens strongly, so repeats would be likely without the processor.
-        logits = torch.randn(R, V, device=DEVICE)
+        logits = torch.randn(R, V, generator=g).to(DEVICE)
         logits[:, :6] += 8
         sampled = proc.apply(logits, idx, table).argmax(-1)
         post_update(idx, sched, sampled, R, table)

@@ -136,9 +136,9 @@ def test_ties_share_the_best_rank():
     logits[0, [5, 9]] = 2.0     # tied best
     logits[0, [1, 2, 3]] = 1.0  # tied third
     tok = torch.tensor([[9], [5], [2], [1000]]).view(-1)
-    r = token_ranks(logits.expand(4, -1), tok, block_v=1024)
+    r = token_ranks(logits.expand(4, -1).contiguous(), tok, block_v=1024)
     assert r.tolist() == [1, 1, 3, 6]
-    assert torch.equal(r, token_ranks_ref(logits.expand(4, -1), tok))
+    assert torch.equal(r, token_ranks_ref(logits.expand(4, -1).contiguous(), tok))
 
 
 def test_no_full_vocab_log_softmax(monkeypatch):
