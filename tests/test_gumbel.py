@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from device_utils import on_device
 from scipy import stats
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
@@ -19,41 +20,7 @@ from mrv2.kernels.gumbel import (
 )
 from mrv2.platform import DEVICE
 
-
-def _on_device(fn):
-    """``fn`` run on ``DEVICE``: tensor arguments move there (a no-op on the CPU), tensors
-    it changed in place are copied back, results come back to the CPU, so the CPU
-    references stay on the CPU and compare with the device kernels' outputs."""
-    import functools
-
-    def move(a):
-        return a.to(DEVICE) if isinstance(a, torch.Tensor) else a
-
-    def back(r, pairs):
-        if isinstance(r, torch.Tensor):
-            for orig, dev in pairs:
-                if r is dev:
-                    return orig
-            return r.cpu()
-        if isinstance(r, tuple):
-            return tuple(back(x, pairs) for x in r)
-        if isinstance(r, list):
-            return [back(x, pairs) for x in r]
-        return r
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kw):
-        dargs = [move(a) for a in args]
-        dkw = {k: move(v) for k, v in kw.items()}
-        res = fn(*dargs, **dkw)
-        pairs = [(a, d) for a, d in zip(list(args) + list(kw.values()), dargs + list(dkw.values()))
-                 if isinstance(a, torch.Tensor)]
-        for orig, dev in pairs:
-            if dev is not orig:
-                orig.copy_(dev)  # in-place outputs (logits, out=) back to the CPU tensor
-        return back(res, pairs)
-
-    return wrapped
+_on_device = on_device
 
 
 gumbel_noise = _on_device(gumbel_noise)

@@ -6,10 +6,10 @@ same weights, through chunked prefill and preemption.
 
 import pytest
 import torch
+from hf_reference import hf_model
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.loader import DEFAULT_MODEL_DIR
-from hf_reference import hf_model
 
 PROMPTS = ["ROMEO:\nIs the day so young?", "JULIET:", "First Citizen:\nBefore we proceed"]
 
@@ -45,8 +45,8 @@ def _check_against_hf(out, k_sample, k_prompt):
 @pytest.mark.parametrize("tight", [False, True])
 def test_logprobs_and_prompt_logprobs_equal_full_log_softmax(tight):
     # 5 tokens a step, 3 rows, a pool of 8 blocks x 4 tokens: chunks + preemption.
-    kw = dict(max_num_batched_tokens=5, max_num_seqs=3, num_gpu_blocks_override=8,
-              block_size=4) if tight else {}
+    kw = {"max_num_batched_tokens": 5, "max_num_seqs": 3, "num_gpu_blocks_override": 8,
+              "block_size": 4} if tight else {}
     llm = LLM(max_model_len=32, dtype="float32", **kw)
     sp = SamplingParams(temperature=0.8, top_k=50, seed=3, max_tokens=10, ignore_eos=True,
                         logprobs=3, prompt_logprobs=2)
