@@ -131,6 +131,8 @@ class ModelRunner:
             if req_id in self.state:
                 row = self.state.remove_request(req_id)
                 self.logit_bias.remove_request(row)
+                if self.penalties is not None:
+                    self.penalties.remove_request(row)
                 for proc in self.logits_processors:
                     proc.remove_request(row)
             if req_id not in sched.preempted_req_ids:  # a preempted request keeps its results
