@@ -8,6 +8,7 @@ and returns one ``RequestOutput`` per prompt, in input order.
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from collections.abc import Sequence
@@ -118,7 +119,7 @@ class LLM:
 
         shape = kv_cache_shape(self.hf_config, 1, self.cache_config.block_size)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return model_dims(self.hf_config).num_layers * int(torch.tensor(shape).prod()) * elem
+        return model_dims(self.hf_config).num_layers * math.prod(shape) * elem
 
     def _auto_num_blocks(self) -> int:
         """Blocks for the KV pool: what memory allows (GPU) or what the limits need (CPU)."""
@@ -197,10 +198,7 @@ class LLM:
         if len(ids) >= max_len:
             raise ValueError(f"the prompt is {len(ids)} tokens long, but max_model_len is {max_len}: "
                              "it must be shorter to leave room for one generated token")
-        need = cdiv(len(ids) + 1, self.cache_config.block_size)
-        if need > self.kv_manager.num_blocks:
-            raise ValueError(f"the prompt needs {need} KV blocks but the pool has only "
-                             f"{self.kv_manager.num_blocks}")
+        # (The pool holds at least max_model_len tokens, checked in __init__: the prompt fits.)
         return text, ids
 
     def _check_params(self, sp: SamplingParams) -> None:

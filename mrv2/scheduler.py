@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mrv2.config import SchedulerConfig
-from mrv2.kv_cache import KVCacheManager, cdiv
+from mrv2.kv_cache import KVCacheManager
 from mrv2.request import Request, RequestStatus
 
 
@@ -162,6 +162,3 @@ class Scheduler:
             req.num_computed_tokens += n
             out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
         return out
-
-    def max_blocks_per_req(self) -> int:
-        return cdiv(self.config.max_model_len, self.kv.block_size)
