@@ -1,7 +1,8 @@
-"""Command line: ``python -m mrv2 generate ...``.
+"""Command line: ``python -m mrv2 generate ...`` and ``python -m mrv2 bench ...``.
 
 ``generate`` runs prompts through ``LLM.generate`` (the V2 runner) and prints the
-completions; with no ``--model`` it uses the embedded tiny Qwen3.
+completions; with no ``--model`` it uses the embedded tiny Qwen3. ``bench``
+runs the throughput / latency benchmarks of ``mrv2.bench`` and writes JSON.
 """
 
 from __future__ import annotations
@@ -58,9 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--token-ids", action="store_true",
                      help="prompts are comma-separated token ids (no tokenizer)")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    from mrv2.bench.cli import add_arguments
+
+    bench = sub.add_parser("bench", help="throughput / latency benchmarks (JSON + table)",
+                           description="Benchmark mrv2 V2, the V1 baseline and transformers.")
+    add_arguments(bench)
     args = parser.parse_args(argv)
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "bench":
+        from mrv2.bench.cli import run
+
+        return run(args)
     return 2
 
 

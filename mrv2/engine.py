@@ -4,14 +4,26 @@ The engine owns the CPU-side requests: it appends each sampled token, checks the
 stop conditions (EOS, ``stop_token_ids``, ``stop`` strings, ``max_tokens``, the
 model's length) and finishes requests, which frees their KV blocks at once and
 their state rows at the next step.
+
+With ``async_scheduling`` the engine runs one step ahead of its outputs:
+
+    schedule N+1 -> launch N+1 -> wait for N's output event -> process N -> ...
+
+so the CPU plans and launches step N+1 while the GPU still runs step N. The
+scheduler plans N+1 with *placeholders* for N's tokens (the runner reads the real
+ones on the device). A request that stopped at step N was already scheduled in
+N+1: that sample is simply dropped (the request is gone), and its blocks and row
+are freed as usual. Without it, each step is processed right after its launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 from mrv2.request import Request
 from mrv2.sample.logprobs import make_logprob_dict
 from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
-from mrv2.scheduler import Scheduler
+from mrv2.scheduler import Scheduler, SchedulerOutput
 
 
 class Engine:
@@ -20,46 +32,87 @@ class Engine:
     Args:
         scheduler: plans each step.
         runner: anything with ``execute_model(SchedulerOutput) -> output`` whose
-            ``get_output()`` gives a ``runner.StepOutput``.
+            ``get_output()`` gives a ``StepOutput`` (``mrv2.async_output``).
         tokenizer: for stop strings and output text (``None``: token ids only).
         max_model_len: a request ends with ``"length"`` when it reaches it.
+        async_scheduling: launch step N+1 before processing step N's output.
     """
 
-    def __init__(self, scheduler: Scheduler, runner, tokenizer=None, max_model_len: int = 4096):
+    def __init__(self, scheduler: Scheduler, runner, tokenizer=None, max_model_len: int = 4096,
+                 async_scheduling: bool = False):
+        self.async_scheduling = async_scheduling
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_steps = 0
+        self._pending: tuple[SchedulerOutput, object] | None = None  # launched, unprocessed
+        self._timeline = None
+
+    @property
+    def timeline(self):
+        """A ``mrv2.timeline.Timeline`` recording every step, or ``None`` (default)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, tl) -> None:
+        self._timeline = tl
+        if hasattr(self.runner, "timeline"):
+            self.runner.timeline = tl
+
+    def _cpu(self, name: str):
+        return self._timeline.cpu(name) if self._timeline is not None else contextlib.nullcontext()
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def step(self) -> list[Request]:
-        """Run one step.
+        """Run one step: launch the next one, process the oldest unprocessed one.
 
         Returns:
-            The requests that finished in this step.
+            The requests that finished in this call.
         """
-        sched = self.scheduler.schedule()
-        if sched.is_empty and self.scheduler.has_unfinished() and not sched.finished_req_ids:
+        with self._cpu("schedule"):
+            sched = self.scheduler.schedule()
+        if (sched.is_empty and not sched.finished_req_ids and self._pending is None
+                and self.scheduler.has_unfinished()):
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV pool")
-        output = self.runner.execute_model(sched)
-        self.num_steps += 1
+        launched = None
+        if not sched.is_empty or sched.finished_req_ids:
+            launched = (sched, self.runner.execute_model(sched))
+            self.num_steps += not sched.is_empty
+        if self._timeline is not None:
+            self._timeline.next_step()
+        if not self.async_scheduling:
+            return self._process(*launched) if launched is not None else []
+        previous, self._pending = self._pending, launched
+        return self._process(*previous) if previous is not None else []
+
+    def _process(self, sched: SchedulerOutput, output) -> list[Request]:
+        """Wait for one step's output (its event only) and apply it to the requests."""
+        with self._cpu("wait"):
+            out = output.get_output()
+        with self._cpu("output"):
+            return self._apply(sched, out)
+
+    def _apply(self, sched: SchedulerOutput, out) -> list[Request]:
         finished = []
-        out = output.get_output()
         detok = self._detok_token if self.tokenizer is not None else None
         for req_id, tensors in out.prompt_logprobs.items():
-            req = self.scheduler.requests[req_id]
-            req.prompt_logprobs = prompt_logprobs_to_output(
-                *tensors, req.sampling_params.prompt_logprobs, detok)
-        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.scheduler.requests.get(req_id)
-            if req is None or req.num_computed_tokens < req.num_tokens:
+            if req is not None:
+                req.prompt_logprobs = prompt_logprobs_to_output(
+                    *tensors, req.sampling_params.prompt_logprobs, detok)
+        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+            if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
+            req = self.scheduler.requests.get(req_id)
+            if req is None:
+                continue  # it finished while this step was in flight: drop the extra sample
+            req.num_output_placeholders -= 1
             req.output_token_ids.append(token)
             if req.logprobs is not None:
                 ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k

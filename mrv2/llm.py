@@ -50,7 +50,12 @@ class LLM:
         enforce_eager: never use CUDA graphs.
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs are ids.
-        runner: ``"v2"`` (default) — the model runner to use.
+        runner: ``"v2"`` or ``"v1"`` (the V1-style baseline, ``mrv2/v1/``); ``None``
+            reads ``MRV2_USE_V2_MODEL_RUNNER`` (``1``, the default: V2; ``0``: V1), as vLLM does.
+        async_scheduling: prepare step N+1 while the GPU runs step N and process
+            outputs one step behind (``None``: on for the V2 runner on a GPU, off otherwise).
+        model_state_cls: a ``mrv2.model_state.ModelState`` subclass holding the
+            model-specific logic (V2 runner only; default ``ModelState``).
         logits_processors: batch-level GPU logits processors
             (``mrv2.sample.logits_processors``): instances, or factories called as
             ``factory(max_num_seqs, device)``.
@@ -62,7 +67,8 @@ class LLM:
                  block_size: int = 16, num_gpu_blocks_override: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
-                 runner: str = "v2", logits_processors=(), **kwargs):
+                 runner: str | None = None, logits_processors=(),
+                 async_scheduling: bool | None = None, model_state_cls=None, **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -70,8 +76,10 @@ class LLM:
                 raise ValueError(f"{key}={value!r} is not supported (mrv2 runs on one device)")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-        if runner != "v2":
-            raise ValueError(f"runner must be 'v2', got {runner!r}")
+        runner = _pick_runner(runner)
+        if async_scheduling is None:
+            async_scheduling = platform.HAS_CUDA and runner == "v2"
+        self.runner_name, self.async_scheduling = runner, bool(async_scheduling)
         from mrv2.models.loader import load_model, resolve_model_path
 
         self.dtype = platform.resolve_dtype(dtype)
@@ -99,15 +107,22 @@ class LLM:
                              f"{num_blocks * block_size} tokens, fewer than max_model_len="
                              f"{max_model_len}: raise num_gpu_blocks_override or lower max_model_len")
 
-        from mrv2.runner import ModelRunner
+        if runner == "v2":
+            from mrv2.runner import ModelRunner
+        else:
+            from mrv2.v1.runner import V1ModelRunner as ModelRunner
 
+        extra = {} if model_state_cls is None else {"model_state_cls": model_state_cls}
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,
-                                  logits_processors=logits_processors)
+                                  logits_processors=logits_processors, **extra)
+        if hasattr(self.runner, "capture_cuda_graphs"):
+            self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
-        self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len)
+        self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
+                             async_scheduling=self.async_scheduling)
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
         self._rng = random.Random(seed)
         self._counter = 0
@@ -209,18 +224,22 @@ class LLM:
                           ("allowed_token_ids", sp.allowed_token_ids or ())):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
-        rules = self.runner.logit_bias
-        if len(sp.logit_bias or ()) > rules.max_logit_bias:
+        rules = getattr(self.runner, "logit_bias", None)  # the V1 baseline has none
+        if rules is not None and len(sp.logit_bias or ()) > rules.max_logit_bias:
             raise ValueError(f"SamplingParams.logit_bias has {len(sp.logit_bias)} entries; "
                              f"at most {rules.max_logit_bias}")
-        if len(sp.stop_token_ids) + len(self.eos_token_ids) > rules.max_stop_ids:
+        if rules is not None and len(sp.stop_token_ids) + len(self.eos_token_ids) > rules.max_stop_ids:
             raise ValueError(f"SamplingParams.stop_token_ids: at most "
                              f"{rules.max_stop_ids - len(self.eos_token_ids)} ids")
         if sp.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+        validate = getattr(self.runner, "validate_params", None)
+        if validate is not None:  # a runner may support fewer features (the V1 baseline)
+            validate(sp)
 
     def _make_request(self, text, ids, sp: SamplingParams, index: int) -> Request:
         sp = sp.clone()
+        user_seeded = sp.seed is not None
         if sp.seed is None:
             sp.seed = self._rng.getrandbits(63)  # one seeded path serves every request
         elif index:
@@ -228,6 +247,7 @@ class LLM:
         sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text)
         req.index = index
+        req.user_seeded = user_seeded  # the V1 baseline keeps a generator only for these
         self._counter += 1
         return req
 
@@ -259,6 +279,20 @@ class LLM:
                              prompt_token_ids=first.prompt_token_ids,
                              prompt_logprobs=first.prompt_logprobs,
                              outputs=outs, finished=all(r.is_finished for r in group))
+
+
+def _pick_runner(runner: str | None) -> str:
+    """``"v1"`` or ``"v2"``: the argument, else the ``MRV2_USE_V2_MODEL_RUNNER`` variable."""
+    import os
+
+    if runner is None:
+        env = os.environ.get("MRV2_USE_V2_MODEL_RUNNER", "1").strip()
+        if env not in ("0", "1"):
+            raise ValueError(f"MRV2_USE_V2_MODEL_RUNNER must be 0 or 1, got {env!r}")
+        runner = "v2" if env == "1" else "v1"
+    if runner not in ("v1", "v2"):
+        raise ValueError(f"runner must be 'v1' or 'v2', got {runner!r}")
+    return runner
 
 
 def _load_tokenizer(path):

@@ -41,8 +41,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # Tokens the runner must prefill when this request is (re)admitted.
-        self.prefill_token_ids: list[int] = list(prompt_token_ids)
+        self.user_seeded = sampling_params.seed is not None
+        # Tokens being sampled by steps in flight, not yet seen by the engine.
+        self.num_output_placeholders = 0
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
@@ -54,6 +55,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + generated tokens known on the CPU."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones steps in flight are sampling (async scheduling)."""
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,24 +11,30 @@
    request, sample, and let the post-update kernel append the sampled tokens to
    the state table on the device.
 
-The sampled ids stay on the device; the returned output copies them to the host
-only when the engine asks (``get_output``). See notebooks/04_triton_input_prep.ipynb.
+The sampled ids stay on the device; the returned ``AsyncOutput`` copies them to
+pinned host memory on a side stream, and the engine reads them one step later
+(``get_output``). The model-specific part (attention metadata, embeddings, CUDA
+graphs) goes through a ``ModelState``. Nothing here waits for the GPU. See
+notebooks/04_triton_input_prep.ipynb, 07_async_streams.ipynb and
+08_model_state_and_cuda_graphs.ipynb.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
 
 import numpy as np
 import torch
 
+from mrv2.async_output import AsyncOutput, StepOutput  # noqa: F401  (StepOutput: re-export)
 from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
-from mrv2.forward_context import set_forward_context
-from mrv2.input_batch import InputBuffers, prepare_input_batch
+from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
+from mrv2.input_batch import InputBatch, InputBuffers, prepare_input_batch
 from mrv2.kernels.input_prep import post_update
 from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.kv_cache import cdiv
+from mrv2.model_state import ModelState
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.sample import Sampler, SamplingMetadata
 from mrv2.sample.logit_bias import LogitBiasState
@@ -37,44 +43,6 @@ from mrv2.sample.penalties import PenaltyState, uses_penalties
 from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
 from mrv2.state import RequestStateTable
-
-
-@dataclass
-class StepOutput:
-    """One step's results on the host.
-
-    Attributes:
-        req_ids: the scheduled requests, in batch order.
-        sampled_token_ids: one sampled id per request.
-        logprobs: per request, ``(ids, logprobs, rank)`` of the sampled token (column 0)
-            and the top-k, when some request asked for logprobs; else ``None``.
-        prompt_logprobs: request id -> ``(ids, logprobs, ranks)`` device tensors for a
-            request whose prompt logprobs became complete in this step.
-    """
-
-    req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: tuple[list, list, list] | None = None
-    prompt_logprobs: dict = field(default_factory=dict)
-
-
-class ModelRunnerOutput:
-    """The sampled tokens of one step, kept on the device until asked for."""
-
-    def __init__(self, req_ids: list[str], sampled_token_ids: torch.Tensor | None,
-                 logprobs: tuple[torch.Tensor, ...] | None = None,
-                 prompt_logprobs: dict | None = None):
-        self.req_ids = req_ids
-        self.sampled_token_ids = sampled_token_ids  # [num_reqs] on the device
-        self.logprobs = logprobs                    # (ids [B, k+1], logprobs [B, k+1], ranks [B])
-        self.prompt_logprobs = prompt_logprobs or {}
-
-    def get_output(self) -> StepOutput:
-        """Copy the results to the host (this waits for the step to finish)."""
-        if self.sampled_token_ids is None:
-            return StepOutput([], [], None, self.prompt_logprobs)
-        lp = None if self.logprobs is None else tuple(t.tolist() for t in self.logprobs)
-        return StepOutput(self.req_ids, self.sampled_token_ids.tolist(), lp, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -87,16 +55,20 @@ class ModelRunner:
         cache_config: the KV block size.
         num_blocks: KV blocks to allocate per layer.
         device, dtype: where and in what precision.
-        enforce_eager: no CUDA graphs (they are not used by this runner yet).
+        enforce_eager: no CUDA graphs (there are none on the CPU anyway).
         logits_processors: ``LogitsProcessor`` instances, or factories called as
             ``factory(max_num_reqs, device)``, applied to every step's logits in order.
+        model_state_cls: the ``ModelState`` class to use (default: ``ModelState``),
+            built as ``model_state_cls(model, max_model_len)``.
     """
 
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, enforce_eager: bool = False, logits_processors=()):
-        self.model = model
-        self.device = device
+                 dtype: torch.dtype, enforce_eager: bool = False, logits_processors=(),
+                 model_state_cls: type[ModelState] = ModelState):
+        self.model_state = model_state_cls(model, scheduler_config.max_model_len)
+        self.device = torch.device(device)
+        self.max_model_len = scheduler_config.max_model_len
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.block_size = cache_config.block_size
@@ -115,7 +87,7 @@ class ModelRunner:
         self._row_greedy = np.ones(self.max_num_reqs, dtype=bool)
         self._row_top_kp = np.zeros(self.max_num_reqs, dtype=bool)
         self._row_logprobs = np.full(self.max_num_reqs, -1, dtype=np.int64)  # k, or -1: none
-        self.prompt_logprobs = PromptLogprobsAccumulator(model.compute_logits)
+        self.prompt_logprobs = PromptLogprobsAccumulator(self.model_state.compute_logits)
         self.logit_bias = LogitBiasState(self.max_num_reqs, self.vocab_size, device)
         # NOTE: [rows, vocab] counts are large: made at the first request with penalties.
         self.penalties: PenaltyState | None = None
@@ -123,6 +95,28 @@ class ModelRunner:
         self.logits_processors: list[LogitsProcessor] = [
             p if isinstance(p, LogitsProcessor) else p(self.max_num_reqs, device)
             for p in logits_processors]
+        self.timeline = None  # a mrv2.timeline.Timeline, set by the engine when recording
+        use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.cuda_graphs = CudaGraphManager(
+            capture_sizes(self.max_num_reqs) if use_graphs else [])
+
+    def capture_cuda_graphs(self, progress: bool = True) -> None:
+        """Capture the decode forward pass at every size (a no-op without graphs)."""
+        if self.cuda_graphs.enabled:
+            self.model_state.capture_cuda_graphs(self.cuda_graphs, self._dummy_batch, progress)
+
+    def _dummy_batch(self, size: int) -> InputBatch:
+        """An all-padding decode batch of ``size`` slots in the static buffers."""
+        return prepare_input_batch(self.buffers, self.state, self.block_tables, [], [], [],
+                                   max_query_len=1, max_seq_len=self.max_model_len,
+                                   num_reqs_padded=size, num_tokens_padded=size)
+
+    def _phase(self, name: str):
+        """Timeline hook: a GPU mark and a CPU span named ``name`` (no-op when off)."""
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        self.timeline.gpu_mark(name)
+        return self.timeline.cpu(name)
 
     # -- state updates (staged, one launch each) ---------------------------------
 
@@ -174,21 +168,35 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step; returns before the sampled ids reach the host."""
-        self._update_states(sched)
-        if sched.is_empty:
-            return ModelRunnerOutput([], None)
-        req_ids = list(sched.num_scheduled_tokens)
-        rows = [self.state.row_of(r) for r in req_ids]
-        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
-        batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
-                                    num_scheduled, max_query_len=max(num_scheduled),
-                                    max_seq_len=sched.max_seq_len)
+    def execute_model(self, sched: SchedulerOutput) -> AsyncOutput:
+        """Launch one scheduled step; returns before the GPU has finished it."""
+        with self._phase("prep"):
+            self._update_states(sched)
+            if sched.is_empty:
+                return AsyncOutput([], None)
+            req_ids = list(sched.num_scheduled_tokens)
+            rows = [self.state.row_of(r) for r in req_ids]
+            num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+            num_reqs = len(rows)
+            # A uniform decode batch replays the CUDA graph of the next captured size.
+            graph_size = self.cuda_graphs.padded_size(num_reqs, sched.total_num_scheduled_tokens)
+            batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
+                                        num_scheduled, max_query_len=max(num_scheduled),
+                                        max_seq_len=sched.max_seq_len,
+                                        num_reqs_padded=graph_size, num_tokens_padded=graph_size)
+        with self._phase("forward"):
+            hidden = self.model_state.run(batch, graph_size)                  # [T_pad, hidden]
+        with self._phase("sample"):
+            out = self._sample(batch, rows, num_scheduled, hidden)
+        if self.timeline is not None:
+            self.timeline.gpu_mark("end")
+        return out
+
+    def _sample(self, batch: InputBatch, rows: list[int], num_scheduled: list[int],
+                hidden: torch.Tensor) -> AsyncOutput:
+        """Logits of each request's last token -> logit rules -> sampler -> post-update."""
         num_reqs = batch.num_reqs
-        with set_forward_context(batch.attn_metadata):
-            hidden = self.model(batch.input_ids, batch.positions)  # [T_pad, hidden]
-        logits = self.model.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
+        logits = self.model_state.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
         meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
                                 needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
         idx_mapping = batch.idx_mapping[:num_reqs]
@@ -213,8 +221,8 @@ class ModelRunner:
                                   num_reqs, self.state)
         post_update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled, num_reqs,
                     self.state)
-        return ModelRunnerOutput(req_ids, sampled, logprobs,
-                                 self._prompt_logprobs(req_ids, num_scheduled, hidden))
+        return AsyncOutput(batch.req_ids, sampled, logprobs,
+                           self._prompt_logprobs(batch.req_ids, num_scheduled, hidden))
 
     def _prompt_logprobs(self, req_ids, num_scheduled, hidden) -> dict:
         """Feed this step's hidden states of prompt tokens to the accumulator (chunked)."""

@@ -6,6 +6,12 @@ prefills take what the budget leaves: chunked prefill), then waiting requests ar
 admitted. When the KV pool runs dry, the most recently admitted request is
 preempted: its blocks and state row are freed and it waits again, to be
 recomputed later from its prompt plus what it already generated.
+
+With async scheduling the engine plans step N+1 before it has seen step N's
+sampled tokens. A request whose step will sample a token gets an *output
+placeholder* for it (``Request.num_output_placeholders``), so the next plan can
+already schedule its decode: the runner reads the real token on the device. The
+engine turns each placeholder into a real token when the step's output arrives.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ class SchedulerOutput:
             preempted since the last step).
         total_num_scheduled_tokens: sum of ``num_scheduled_tokens``.
         max_seq_len: the longest sequence (cached + new tokens) in the step.
+        preempted_req_ids: the subset of ``finished_req_ids`` that was preempted.
+        sampling_req_ids: requests whose step reaches the end of their known tokens
+            and so samples a real token (the others are partial prefill chunks).
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -50,6 +59,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     max_seq_len: int = 0
     preempted_req_ids: set[str] = field(default_factory=set)
+    sampling_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -101,8 +111,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        # NOTE: recompute, not swap: it re-enters with its output so far as prompt.
-        req.prefill_token_ids = req.all_token_ids
+        # NOTE: recompute, not swap: it re-enters with its output so far as prompt
+        # (the token still in flight, if any, joins that output before re-admission).
         self.waiting.appendleft(req)
         self._freed_ids.add(req.request_id)
         out.preempted_req_ids.add(req.request_id)
@@ -119,8 +129,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # waiting for a token still in flight
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._surely_done(req):
                 i += 1
                 continue
             while (new := self.kv.allocate(req.request_id,
@@ -141,7 +151,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(len(req.prefill_token_ids), budget)
+            if req.num_output_placeholders:  # NOTE: a preempted request's token in flight
+                break
+            num_new = min(req.num_tokens, budget)
             new = self.kv.allocate(req.request_id, num_new)
             if new is None:
                 break
@@ -149,7 +161,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
-                req.request_id, list(req.prefill_token_ids), req.num_prompt_tokens, req,
+                req.request_id, req.all_token_ids, req.num_prompt_tokens, req,
                 list(self.kv.get_blocks(req.request_id))))
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
@@ -161,4 +173,19 @@ class Scheduler:
             req = self.requests[req_id]
             req.num_computed_tokens += n
             out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1  # this step samples a token for it
+                out.sampling_req_ids.add(req_id)
         return out
+
+    def _surely_done(self, req: Request) -> bool:
+        """True when the tokens in flight already finish ``req`` (max_tokens or length).
+
+        Only possible with async scheduling; scheduling it again would be wasted work.
+        """
+        if not req.num_output_placeholders:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        out = len(req.output_token_ids) + req.num_output_placeholders
+        return ((max_tokens is not None and out >= max_tokens)
+                or req.num_tokens_with_placeholders >= self.config.max_model_len)

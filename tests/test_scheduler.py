@@ -17,7 +17,21 @@ from mrv2.sampling_params import SamplingParams
 from mrv2.scheduler import Scheduler
 
 
-def _simulate(seed: int, steps: int = 400):
+def _deliver(sched: Scheduler, out, token) -> None:
+    """What the engine does with a step's output: placeholders become real tokens."""
+    for req_id in out.num_scheduled_tokens:
+        r = sched.requests.get(req_id)
+        if req_id not in out.sampling_req_ids or r is None:
+            continue  # a partial prefill chunk, or a request that finished meanwhile
+        r.num_output_placeholders -= 1
+        r.output_token_ids.append(token())
+        if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+            sched.finish_request(req_id, "length")
+
+
+def _simulate(seed: int, steps: int = 400, async_scheduling: bool = False):
+    """Random arrivals into a tight pool; ``async_scheduling`` delivers each step's
+    tokens only after the next step has been planned (as the async engine does)."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4, 8]),
                           max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=96)
@@ -25,6 +39,20 @@ def _simulate(seed: int, steps: int = 400):
     kv = KVCacheManager(num_blocks=cdiv(96, bs) + rng.randrange(0, 30), block_size=bs)
     sched = Scheduler(cfg, kv)
     reqs, n_next, preempted_seen = {}, 0, 0
+    pending = None
+    token = lambda: rng.randrange(100)  # noqa: E731
+
+    def step():
+        nonlocal pending
+        out = sched.schedule()
+        if async_scheduling:
+            if pending is not None:
+                _deliver(sched, pending, token)
+            pending = out
+        else:
+            _deliver(sched, out, token)
+        return out
+
     for _ in range(steps):
         for _ in range(rng.choice([0, 0, 1, 2])):
             prompt = [rng.randrange(100) for _ in range(rng.randrange(1, 40))]
@@ -32,7 +60,7 @@ def _simulate(seed: int, steps: int = 400):
             reqs[req.request_id] = req
             sched.add_request(req)
             n_next += 1
-        out = sched.schedule()
+        out = step()
         # Budget and cap.
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
@@ -43,46 +71,43 @@ def _simulate(seed: int, steps: int = 400):
         assert len(owned) + kv.num_free_blocks == kv.num_blocks
         for req_id in out.num_scheduled_tokens:
             r = reqs[req_id]
-            assert r.status == RequestStatus.RUNNING
+            if r.is_finished:  # async: its last token arrived after this step was planned
+                continue
             assert len(kv.get_blocks(req_id)) >= cdiv(r.num_computed_tokens, bs)
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_tokens_with_placeholders
+            assert r.num_output_placeholders <= (2 if async_scheduling else 1)
         for new in out.new_reqs:
-            assert new.prefill_token_ids == new.request.all_token_ids
-            assert new.block_ids == kv.get_blocks(new.req_id)
+            assert new.prefill_token_ids == new.request.all_token_ids[:len(new.prefill_token_ids)]
+            assert new.block_ids == kv.get_blocks(new.req_id) or new.request.is_finished
         preempted_seen += len(out.preempted_req_ids)
         for req_id in out.preempted_req_ids:
             assert req_id in out.finished_req_ids  # the runner frees the row
-        # Simulate the step's samples and finish requests at max_tokens.
-        for req_id in out.num_scheduled_tokens:
-            r = reqs[req_id]
-            if r.num_computed_tokens == r.num_tokens:
-                r.output_token_ids.append(rng.randrange(100))
-                if len(r.output_token_ids) >= r.sampling_params.max_tokens:
-                    sched.finish_request(req_id, "length")
         if not sched.has_unfinished() and n_next > 30:
             break
-    while sched.has_unfinished():  # drain
-        out = sched.schedule()
-        assert not out.is_empty or out.finished_req_ids
-        for req_id in out.num_scheduled_tokens:
-            r = reqs[req_id]
-            if r.num_computed_tokens == r.num_tokens:
-                r.output_token_ids.append(0)
-                if len(r.output_token_ids) >= r.sampling_params.max_tokens:
-                    sched.finish_request(req_id, "length")
+    for _ in range(10_000):  # drain
+        if not sched.has_unfinished():
+            break
+        out = step()
+        assert not out.is_empty or out.finished_req_ids or pending is not None
+    if pending is not None:
+        _deliver(sched, pending, token)
+    assert not sched.has_unfinished()
     for r in reqs.values():
         assert r.is_finished and len(r.output_token_ids) == r.sampling_params.max_tokens
+        assert r.num_output_placeholders == 0
     assert kv.num_free_blocks == kv.num_blocks
     return preempted_seen
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_keep_invariants(seed):
-    _simulate(seed)
+def test_random_workloads_keep_invariants(seed, async_scheduling):
+    _simulate(seed, async_scheduling=async_scheduling)
 
 
-def test_some_workload_preempts():
-    assert sum(_simulate(s) for s in range(12)) > 0
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_some_workload_preempts(async_scheduling):
+    assert sum(_simulate(s, async_scheduling=async_scheduling) for s in range(12)) > 0
 
 
 def test_preempted_request_reenters_with_its_output():
@@ -94,11 +119,13 @@ def test_preempted_request_reenters_with_its_output():
     sched.add_request(b)
     out = sched.schedule()
     assert list(out.num_scheduled_tokens.items()) == [("a", 4), ("b", 4)]
-    a.output_token_ids.append(7)
-    b.output_token_ids.append(8)
+    assert out.sampling_req_ids == {"a", "b"} and a.num_output_placeholders == 1
+    for r, t in ((a, 7), (b, 8)):  # the engine turns each placeholder into the real token
+        r.num_output_placeholders -= 1
+        r.output_token_ids.append(t)
     out = sched.schedule()  # a's 5th token needs a 3rd block; the pool is empty: b goes
     assert out.preempted_req_ids == {"b"} and out.num_scheduled_tokens == {"a": 1}
-    assert b.status == RequestStatus.PREEMPTED and b.prefill_token_ids == [4, 5, 6, 7, 8]
+    assert b.status == RequestStatus.PREEMPTED and b.all_token_ids == [4, 5, 6, 7, 8]
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
     sched.finish_request("a", "length")
     out = sched.schedule()

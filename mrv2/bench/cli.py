@@ -1,0 +1,115 @@
+"""``python -m mrv2 bench throughput|latency``: arguments -> ``BenchConfig`` -> JSON + table.
+
+    python -m mrv2 bench throughput --runner v2,v1,hf               # standard workload
+    python -m mrv2 bench throughput --workload host-bound --runner v2,v1
+    python -m mrv2 bench latency --runner v2,v1
+    python -m mrv2 bench throughput --tiny --runner v2 --out /tmp/t.json   # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _runner_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ("v2", "v1", "hf")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"runners are a comma list of v2, v1, hf; got {text!r}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's arguments."""
+    p.add_argument("kind", choices=["throughput", "latency"])
+    p.add_argument("--runner", type=_runner_list, default=["v2", "v1", "hf"],
+                   help="comma list of v2, v1, hf (run one after another in this process)")
+    p.add_argument("--workload", choices=["standard", "host-bound"], default="standard",
+                   help="throughput workload (standard: 256 x [100,1024] in/out; "
+                        "host-bound: 1024 x 32 in / 128 out)")
+    p.add_argument("--model", default=None, help="HF folder (default: Qwen3-0.6B config from "
+                   "$MRV2_SHARED_DATA with dummy weights on a GPU; the embedded model on the CPU)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU/CI preset: embedded model, a handful of requests, few tokens")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=None, help="fixed prompt length")
+    p.add_argument("--output-len", type=int, default=None, help="fixed output length")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (tiny: 4)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async", action="store_true", help="async_scheduling=False")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=None)
+    p.add_argument("--hf-max-requests", type=int, default=None,
+                   help="cap the hf runner to the first N requests (default 64 on standard)")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: max-num-seqs")
+    p.add_argument("--hf-cache", choices=["dynamic", "static"], default="dynamic",
+                   help="transformers cache_implementation")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="latency batch sizes (default 1,8,32)")
+    p.add_argument("--latency-iters", type=int, default=None, help="timed runs per figure")
+    p.add_argument("--sweep-batch", type=_int_list, default=None,
+                   help="throughput: also time decode-dominated runs at these batch sizes "
+                        "(e.g. 1,8,32,64,128,256) for the roofline plot")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/"
+                   "bench_<kind>_<workload>_<date>.json)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="torch.profiler chrome trace of a few decode steps of the first "
+                        "mrv2 runner, written to DIR")
+    p.add_argument("--timeline", action="store_true",
+                   help="record a per-step CPU/GPU split (mrv2.timeline) for each mrv2 runner")
+
+
+def config_from_args(args: argparse.Namespace):
+    """``BenchConfig`` of parsed arguments."""
+    from mrv2.bench.suite import BenchConfig
+
+    return BenchConfig(
+        kind=args.kind, runners=args.runner, workload=args.workload, model=args.model,
+        load_format=args.load_format, dtype=args.dtype, tiny=args.tiny,
+        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async else None,
+        seed=args.seed, warmup_requests=args.warmup_requests,
+        hf_max_requests=args.hf_max_requests, hf_batch_size=args.hf_batch_size,
+        hf_cache=None if args.hf_cache == "dynamic" else args.hf_cache,
+        batch_sizes=args.batch_sizes, latency_iters=args.latency_iters,
+        sweep_batch=args.sweep_batch, profile=args.profile, timeline=args.timeline)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, write the JSON (and PNG), print the table.
+
+    Returns:
+        0 when at least one runner succeeded, 1 when all failed.
+    """
+    from mrv2.bench.report import (default_out_path, latency_table, throughput_table,
+                                   write_json)
+    from mrv2.bench.suite import run_latency, run_throughput
+
+    cfg = config_from_args(args)
+    results = (run_throughput if cfg.kind == "throughput" else run_latency)(cfg)
+    out = args.out or default_out_path(cfg.kind, cfg.workload if cfg.kind == "throughput"
+                                       else None, cfg.tiny)
+    path = write_json(results, out)
+    print((throughput_table if cfg.kind == "throughput" else latency_table)(results))
+    print(f"[bench] wrote {path}")
+    if args.plot:
+        from mrv2.bench.plots import save_plots
+
+        print(f"[bench] wrote {save_plots(results, path.with_suffix('.png'))}")
+    ok = [r for r in results["runners"].values() if "error" not in r]
+    return 0 if ok else 1

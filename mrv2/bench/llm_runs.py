@@ -1,0 +1,217 @@
+"""Timed runs of the mrv2 runners (V2, and the V1-style baseline) through ``LLM.generate``.
+
+One ``LLM`` per runner: built, warmed up with a small generate, then timed on the
+workload with device syncs around the whole ``generate`` call only. Optional
+extras reuse the same ``LLM``: the HF subset (so the HF ratio compares the same
+requests), a batch-size sweep, a ``torch.profiler`` trace and a per-step timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+from dataclasses import dataclass
+
+from mrv2.bench.timing import throughput_figures, timed
+from mrv2.bench.workloads import Workload
+
+
+@dataclass
+class ModelSpec:
+    """Which model every runner builds (same weights for all: same loader, same seed).
+
+    Args:
+        model: a Hugging Face folder, or ``None`` for the embedded tiny Qwen3.
+        load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights from the config).
+        dtype: ``"auto"`` (bf16 on a GPU, fp32 on the CPU) or a dtype name.
+        seed: seeds the dummy weights and the requests' sampling seeds.
+    """
+
+    model: str | None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+
+@dataclass
+class EngineSizes:
+    """``LLM`` sizes and switches shared by the mrv2 runners."""
+
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
+
+
+def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
+    """``LLM(runner=...)`` with token-id prompts only (no tokenizer)."""
+    from mrv2 import LLM
+
+    return LLM(model=spec.model, load_format=spec.load_format, dtype=spec.dtype, seed=spec.seed,
+               skip_tokenizer_init=True, max_num_seqs=sizes.max_num_seqs,
+               max_num_batched_tokens=sizes.max_num_batched_tokens,
+               max_model_len=sizes.max_model_len, enforce_eager=sizes.enforce_eager,
+               runner=runner, async_scheduling=sizes.async_scheduling)
+
+
+def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
+    """One timed ``llm.generate`` of the workload (no progress bar: it costs host time).
+
+    Returns:
+        ``throughput_figures`` of the run (output tokens counted from the outputs).
+    """
+    steps0 = llm.engine.num_steps
+    requests, params = wl.requests(), wl.sampling_params(max_tokens)  # built before the clock
+    outs, wall = timed(lambda: llm.generate(requests, params, use_tqdm=False))
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return throughput_figures(wall, n_out, llm.engine.num_steps - steps0)
+
+
+def warm_up(llm, wl: Workload, num_requests: int, max_tokens: int) -> float:
+    """A small untimed generate (JIT compilation, allocator, first-call costs); returns seconds.
+
+    Output lengths are staggered (1 .. ``max_tokens``) so the batch shrinks step by step and
+    kernels meet odd batch sizes too (Triton specialises on sizes divisible by 16 and on 1).
+    """
+    k = min(num_requests, wl.num_requests)
+    small = Workload(f"{wl.name}-warmup", wl.prompts[:k],
+                     [1 + (7 * i) % max_tokens for i in range(k)], wl.temperature)
+    requests, params = small.requests(), small.sampling_params()
+    return timed(lambda: llm.generate(requests, params, use_tqdm=False))[1]
+
+
+def describe(llm) -> dict:
+    """The resolved settings of a built ``LLM`` (for the results JSON)."""
+    return {"runner": llm.runner_name, "async_scheduling": llm.async_scheduling,
+            "dtype": str(llm.dtype).removeprefix("torch."), "device": str(llm.device),
+            "max_num_seqs": llm.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": llm.scheduler_config.max_num_batched_tokens,
+            "max_model_len": llm.scheduler_config.max_model_len,
+            "num_gpu_blocks": getattr(llm.kv_manager, "num_blocks", None),
+            "block_size": llm.cache_config.block_size}
+
+
+def profile_steps(llm, wl: Workload, out_dir: str | pathlib.Path, tag: str,
+                  active: int = 5) -> str:
+    """Chrome trace (``torch.profiler``) of ``active`` steps once the prefills are done.
+
+    Runs the workload's first ``max_num_seqs`` requests with a few output tokens each;
+    the profiler's schedule skips the prefill steps, so the recorded steps are decodes
+    of a full batch. ``engine.step`` is wrapped (on this instance only) to advance the
+    profiler schedule once per step.
+
+    Returns:
+        The path of the trace (``<out_dir>/trace_<tag>.json``; open it in Perfetto).
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from mrv2 import platform
+
+    sub = wl.subset(min(wl.num_requests, llm.scheduler_config.max_num_seqs))
+    budget = llm.scheduler_config.max_num_batched_tokens
+    wait, warmup = math.ceil(sum(sub.input_lens) / budget) + 1, 2
+    path = pathlib.Path(out_dir) / f"trace_{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
+    engine = llm.engine
+    with profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=active),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        step = engine.step
+
+        def profiled_step():
+            out = step()
+            prof.step()
+            return out
+
+        engine.step = profiled_step  # NOTE: an instance attribute shadows the method
+        try:
+            llm.generate(sub.requests(), sub.sampling_params(warmup + active + 3), use_tqdm=False)
+        finally:
+            vars(engine).pop("step", None)
+    return str(path)
+
+
+def timeline_summary(llm, wl: Workload, max_tokens: int = 64) -> dict | None:
+    """Mean ms per CPU phase and GPU span of one short run, from ``mrv2.timeline``.
+
+    Returns:
+        ``Timeline.summary()``, or ``None`` when ``mrv2.timeline`` is absent or the
+        engine recorded nothing.
+    """
+    try:
+        from mrv2.timeline import Timeline
+    except ImportError:
+        return None
+    sub = wl.subset(min(wl.num_requests, llm.scheduler_config.max_num_seqs))
+    engine, tl = llm.engine, Timeline()
+    before = getattr(engine, "timeline", None)
+    engine.timeline = tl
+    try:
+        llm.generate(sub.requests(), sub.sampling_params(min(max_tokens, max(sub.output_lens))),
+                     use_tqdm=False)
+    finally:
+        engine.timeline = before
+    if hasattr(tl, "finalize"):
+        tl.finalize()
+    summary = tl.summary()
+    return summary if summary.get("cpu_ms") or summary.get("gpu_ms") else None
+
+
+def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workload, *,
+                   warmup_requests: int, warmup_tokens: int, subset: Workload | None = None,
+                   sweep: list[Workload] | None = None, profile_dir: str | None = None,
+                   timeline: bool = False, log=print) -> tuple[dict, dict]:
+    """Build one mrv2 runner and time it on the workload (and the extras asked for).
+
+    Returns:
+        ``(figures, model_info)``: the runner's figures for the JSON, and the model's
+        size facts for the roofline (``mrv2.bench.roofline.model_info``).
+    """
+    from mrv2.bench.roofline import model_info
+    from mrv2.bench.timing import sweep_rows
+
+    t0 = time.perf_counter()
+    llm = build_llm(spec, runner, sizes)
+    res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
+    info = model_info(llm.model, llm.hf_config, llm.dtype)
+    log(f"[bench] {runner}: built in {res['build_s']:.1f} s; warm-up")
+    res["warmup_s"] = warm_up(llm, wl, warmup_requests, warmup_tokens)
+    log(f"[bench] {runner}: timed run of {wl.num_requests} requests")
+    res.update(generate_timed(llm, wl))
+    res["num_requests"] = wl.num_requests
+    log(f"[bench] {runner}: {res['output_tok_s']:,.1f} output tok/s ({res['wall_s']:.2f} s, "
+        f"{res['steps']} steps)")
+    if subset is not None:
+        log(f"[bench] {runner}: timed run of the HF subset ({subset.num_requests} requests)")
+        res["subset"] = {"num_requests": subset.num_requests, **generate_timed(llm, subset)}
+    if sweep:
+        log(f"[bench] {runner}: batch sweep {[w.num_requests for w in sweep]}")
+        res["sweep"] = sweep_rows(lambda w, m: generate_timed(llm, w, m), sweep)
+    if profile_dir:
+        res["profile_trace"] = profile_steps(llm, wl, profile_dir, runner)
+        log(f"[bench] {runner}: profiler trace -> {res['profile_trace']}")
+    if timeline:
+        res["timeline"] = timeline_summary(llm, wl)
+    return res, info
+
+
+def run_latency(spec: ModelSpec, runner: str, sizes: EngineSizes, batches: list[Workload], *,
+                iters: int, log=print) -> tuple[dict, dict]:
+    """Build one mrv2 runner and measure TTFT/TPOT at each batch size.
+
+    Returns:
+        ``(figures, model_info)`` as :func:`run_throughput`.
+    """
+    from mrv2.bench.roofline import model_info
+    from mrv2.bench.timing import latency_rows
+
+    t0 = time.perf_counter()
+    llm = build_llm(spec, runner, sizes)
+    res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
+    info = model_info(llm.model, llm.hf_config, llm.dtype)
+    res["warmup_s"] = sum(warm_up(llm, w, w.num_requests, 3) for w in batches)
+    log(f"[bench] {runner}: latency at batch sizes {[w.num_requests for w in batches]}")
+    res["batches"] = latency_rows(lambda w, m: generate_timed(llm, w, m), batches, iters)
+    return res, info

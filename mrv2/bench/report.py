@@ -1,0 +1,152 @@
+"""What a results file says besides the figures: machine, versions, commit; the tables.
+
+A number without its machine and software versions cannot be compared with
+anything, so every benchmark JSON carries them (``environment()``), and the same
+figures are printed as a table for the terminal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform as py_platform
+import subprocess
+
+import torch
+
+from mrv2 import platform
+
+#: The checkout this package lives in (``benchmarks/results`` is under it).
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001  (absent or broken: say so, do not fail the benchmark)
+        return None
+
+
+def git_commit(root: pathlib.Path = REPO_ROOT) -> str:
+    """The checkout's commit: ``$MRV2_GIT_COMMIT``, ``.git`` files, ``git rev-parse``, or "unknown"."""
+    if os.environ.get("MRV2_GIT_COMMIT"):
+        return os.environ["MRV2_GIT_COMMIT"]
+    try:  # read the files first: the GPU machine may have the tree but no git binary
+        head = (root / ".git" / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head.removeprefix("ref: ")
+        ref_file = root / ".git" / ref
+        if ref_file.is_file():
+            return ref_file.read_text().strip()
+        for line in (root / ".git" / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return py_platform.processor() or py_platform.machine() or "cpu"
+
+
+def environment() -> dict:
+    """Hardware, software versions, commit and date of this run."""
+    if platform.HAS_CUDA:
+        props = torch.cuda.get_device_properties(0)
+        hw = {"device": "cuda", "name": torch.cuda.get_device_name(0),
+              "gpu_memory_gib": round(props.total_memory / 2**30, 1)}
+    else:
+        hw = {"device": "cpu", "name": _cpu_name()}
+    hw["cpu_count"] = os.cpu_count()
+    hw["cpu_threads_torch"] = torch.get_num_threads()
+    versions = {"python": py_platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "triton": _version("triton"),
+                "transformers": _version("transformers"), "numpy": _version("numpy"),
+                "mrv2": _version("mrv2"), "triton_interpret": platform.TRITON_INTERPRET}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "hardware": hw, "versions": versions, "git_commit": git_commit()}
+
+
+def default_out_path(kind: str, workload: str | None, tiny: bool = False) -> pathlib.Path:
+    """``benchmarks/results/bench_<kind>[_<workload>][_tiny]_<YYYY-MM-DD>.json``."""
+    base = REPO_ROOT / "benchmarks" / "results"
+    if not (REPO_ROOT / "benchmarks").is_dir():  # an installed package: write beside the cwd
+        base = pathlib.Path.cwd() / "benchmarks" / "results"
+    parts = ["bench", kind] + ([workload] if workload else []) + (["tiny"] if tiny else [])
+    return base / f"{'_'.join(parts)}_{datetime.date.today().isoformat()}.json"
+
+
+def write_json(results: dict, path: str | os.PathLike) -> pathlib.Path:
+    """Write ``results`` as indented JSON (parents created); returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, (pathlib.Path, torch.dtype, torch.device)):
+        return str(x)
+    if hasattr(x, "item"):  # numpy / torch scalars
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def _f(x, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def throughput_table(results: dict) -> str:
+    """``runner | output tok/s | steps | ms/step | ratio vs v1`` (and the roofline)."""
+    runners = results.get("runners", {})
+    base = runners.get("v1", {}).get("output_tok_s")
+    lines = [f"{'runner':<8} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}  requests"]
+    for name, r in runners.items():
+        if "error" in r:
+            lines.append(f"{name:<8} ERROR: {r['error'].splitlines()[-1][:90]}")
+            continue
+        tok_s = r.get("output_tok_s")
+        ratio = tok_s / base if base and tok_s else None
+        lines.append(f"{name:<8} {_f(tok_s, '13,.1f')} {_f(r.get('steps'), '7d')} "
+                     f"{_f(r.get('mean_step_ms'), '8.2f')} {_f(ratio, '6.2f')}  "
+                     f"{r.get('num_requests', '-')}")
+    roof = results.get("roofline", {}).get("decode")
+    if roof:
+        lines.append(f"{'roofline':<8} {_f(roof['tok_s'], '13,.1f')} {'':>7} "
+                     f"{_f(roof['step_ms'], '8.2f')}         (decode, batch {roof['batch']}, "
+                     f"context {roof['context']:.0f})")
+    for key, value in results.get("ratios", {}).items():
+        lines.append(f"  {key}: {value:.3f}")
+    return "\n".join(lines)
+
+
+def latency_table(results: dict) -> str:
+    """``runner | batch | TTFT ms | TPOT ms | e2e ms`` (and the roofline TPOT)."""
+    lines = [f"{'runner':<8} {'batch':>5} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e ms':>10}"]
+    for name, r in results.get("runners", {}).items():
+        if "error" in r:
+            lines.append(f"{name:<8} ERROR: {r['error'].splitlines()[-1][:90]}")
+            continue
+        for row in r.get("batches", []):
+            lines.append(f"{name:<8} {row['batch_size']:>5} {_f(row['ttft_ms'], '9.2f')} "
+                         f"{_f(row['tpot_ms'], '9.3f')} {_f(row['e2e_ms'], '10.1f')}")
+    for row in results.get("roofline", {}).get("per_batch", []):
+        lines.append(f"{'roofline':<8} {row['batch']:>5} {'':>9} {_f(row['step_ms'], '9.3f')}")
+    return "\n".join(lines)

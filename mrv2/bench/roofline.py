@@ -1,0 +1,106 @@
+"""The memory roofline of a decode step: how fast could it be at best?
+
+A decode step of ``B`` requests reads every weight once (``W`` bytes) and the whole
+cached K and V of every request (``B x context x kv_bytes_per_token``). At small and
+medium batches these reads dominate, so the step cannot beat
+
+    roofline step time = (W + KV bytes) / measured copy bandwidth,
+    roofline tokens/s  = B / roofline step time,
+
+where the bandwidth is what a plain device-to-device copy reaches (bytes read +
+written per second), the most a memory-bound kernel can hope for on this machine.
+Compute, the activations and the logits are left out: the bound is optimistic.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None,
+                   iters: int = 10) -> dict:
+    """Measure a large tensor copy: (bytes read + bytes written) / time.
+
+    Args:
+        device: where to copy.
+        nbytes: size of the copied tensor (default 1 GiB on a GPU, 64 MiB on the CPU).
+        iters: timed copies (after one warm-up); the best one counts.
+
+    Returns:
+        ``{"bytes": nbytes, "iters": iters, "best_s": ..., "bandwidth_gbs": ...}``
+        (GB/s = 1e9 bytes/s, read + write).
+    """
+    device = torch.device(device)
+    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first-touch page faults, allocator
+    best = float("inf")
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return {"bytes": nbytes, "iters": iters, "best_s": best,
+            "bandwidth_gbs": 2 * nbytes / best / 1e9}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all parameters (a tied embedding / ``lm_head`` counts once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """K and V bytes one cached token occupies across all layers.
+
+    ``num_layers x 2 (K and V) x num_kv_heads x head_dim x dtype bytes``.
+    """
+    from mrv2.models.qwen3 import model_dims
+
+    d = model_dims(hf_config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return d.num_layers * 2 * d.num_kv_heads * d.head_dim * elem
+
+
+def decode_roofline(weight_nbytes: int, kv_nbytes_per_token: int, batch: float, context: float,
+                    bandwidth_gbs: float) -> dict:
+    """The roofline of one decode step of ``batch`` requests with ``context`` cached tokens each.
+
+    Args:
+        weight_nbytes: bytes of the weights (read once per step).
+        kv_nbytes_per_token: see :func:`kv_bytes_per_token`.
+        batch: requests in the step (one new token each).
+        context: mean tokens in each request's KV cache.
+        bandwidth_gbs: measured copy bandwidth in GB/s.
+
+    Returns:
+        ``{"batch", "context", "weight_bytes", "kv_bytes", "bytes", "step_ms", "tok_s"}``.
+    """
+    kv = kv_nbytes_per_token * batch * context
+    total = weight_nbytes + kv
+    step_s = total / (bandwidth_gbs * 1e9)
+    return {"batch": batch, "context": context, "weight_bytes": int(weight_nbytes),
+            "kv_bytes": int(kv), "bytes": int(total), "step_ms": step_s * 1e3,
+            "tok_s": batch / step_s}
+
+
+def model_info(model: torch.nn.Module, hf_config, dtype: torch.dtype) -> dict:
+    """What the roofline needs to know about a model (for the results JSON)."""
+    from mrv2.models.qwen3 import model_dims
+
+    d = model_dims(hf_config)
+    return {"num_params": sum(p.numel() for p in model.parameters()),
+            "weight_bytes": weight_bytes(model),
+            "kv_bytes_per_token": kv_bytes_per_token(hf_config, dtype),
+            "dtype": str(dtype).removeprefix("torch."), "num_layers": d.num_layers,
+            "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim,
+            "hidden_size": d.hidden_size, "vocab_size": d.vocab_size}

@@ -1,0 +1,282 @@
+"""Run every runner of one benchmark in one process, one after another.
+
+Each runner (``v2``, ``v1``, ``hf``) is built, warmed up, timed and then freed
+(``del``, ``gc.collect()``, ``torch.cuda.empty_cache()``) before the next one, so
+they share the GPU's memory but never hold it at the same time. A runner that
+fails is recorded as an error row and the others still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import traceback
+from dataclasses import dataclass, field
+
+from mrv2 import platform
+from mrv2.bench import hf_runs, llm_runs
+from mrv2.bench.report import REPO_ROOT, environment
+from mrv2.bench.roofline import copy_bandwidth, decode_roofline
+from mrv2.bench.timing import free_device_memory
+from mrv2.bench.workloads import make_workload, random_workload
+
+RUNNERS = ("v2", "v1", "hf")
+
+
+@dataclass
+class BenchConfig:
+    """Everything one benchmark run depends on (written to the JSON as ``config``).
+
+    ``None`` fields take the defaults of DESIGN.md, or of the ``tiny`` CPU preset.
+    """
+
+    kind: str = "throughput"                  # "throughput" or "latency"
+    runners: list[str] = field(default_factory=lambda: ["v2", "v1", "hf"])
+    workload: str = "standard"                # throughput: "standard" or "host-bound"
+    model: str | None = None                  # None: Qwen3-0.6B config (GPU) / embedded (CPU)
+    load_format: str | None = None            # None: "dummy" for a bare config, else "auto"
+    dtype: str = "auto"
+    tiny: bool = False
+    num_requests: int | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    max_num_seqs: int | None = None           # default 256 (tiny: 4)
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None
+    seed: int = 0
+    warmup_requests: int | None = None        # default 32 (tiny: 2)
+    warmup_tokens: int | None = None          # default 16 (tiny: 2)
+    hf_max_requests: int | None = None        # default 64 on "standard", else all
+    hf_batch_size: int | None = None          # default max_num_seqs
+    hf_cache: str | None = None               # None: dynamic cache; "static"
+    batch_sizes: list[int] | None = None      # latency: default 1, 8, 32 (tiny: 1, 2)
+    latency_iters: int | None = None          # default 3 (tiny: 1)
+    sweep_batch: list[int] | None = None      # throughput: extra decode-dominated sweep
+    profile: str | None = None
+    timeline: bool = False
+    copy_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("throughput", "latency"):
+            raise ValueError(f"kind must be 'throughput' or 'latency', got {self.kind!r}")
+        bad = [r for r in self.runners if r not in RUNNERS]
+        if bad or not self.runners:
+            raise ValueError(f"runners must be a non-empty subset of {RUNNERS}, got {self.runners}")
+
+
+def shared_data_dir() -> pathlib.Path:
+    """``$MRV2_SHARED_DATA``, else ``../shared/data`` beside the checkout."""
+    return pathlib.Path(os.environ.get("MRV2_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def resolve_model(cfg: BenchConfig):
+    """The model every runner builds, and its Hugging Face config.
+
+    Returns:
+        ``(ModelSpec, hf_config)``.
+    """
+    from transformers import AutoConfig
+
+    from mrv2.models.loader import resolve_model_path
+
+    model, load_format = cfg.model, cfg.load_format
+    if cfg.tiny:
+        model, load_format = None, "auto"
+    elif model is None and platform.HAS_CUDA:
+        model = shared_data_dir() / "qwen3-tokenizer"
+        if not (model / "config.json").is_file():
+            raise FileNotFoundError(f"{model}/config.json (Qwen3-0.6B) not found: set "
+                                    "MRV2_SHARED_DATA or pass --model")
+        load_format = load_format or "dummy"
+    path = resolve_model_path(model)
+    spec = llm_runs.ModelSpec(None if model is None else str(path), load_format or "auto",
+                              cfg.dtype, cfg.seed)
+    return spec, AutoConfig.from_pretrained(path)
+
+
+def _default(value, normal, tiny_value, tiny: bool):
+    return value if value is not None else (tiny_value if tiny else normal)
+
+
+def _guarded(name: str, fn, log) -> tuple[dict, dict | None]:
+    """Run one runner; an exception becomes an error row. Frees memory afterwards."""
+    try:
+        res, info = fn()
+    except Exception as e:  # noqa: BLE001  (one broken runner must not lose the others)
+        log(f"[bench] {name}: FAILED: {type(e).__name__}: {e}")
+        res, info = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, None
+    res["memory_after_free"] = free_device_memory()
+    return res, info
+
+
+def _header(cfg: BenchConfig, spec, log) -> dict:
+    results = {"benchmark": cfg.kind, **environment(), "config": dataclasses.asdict(cfg),
+               "model": dataclasses.asdict(spec), "runners": {}, "notes": []}
+    log(f"[bench] {results['hardware']['name']}: measuring copy bandwidth")
+    results["copy_bandwidth"] = copy_bandwidth(platform.DEVICE, cfg.copy_bytes or
+                                               ((8 << 20) if cfg.tiny else None))
+    return results
+
+
+def _check_len(max_len: int, hf_config) -> None:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and max_len > limit:
+        raise ValueError(f"the workload needs max_model_len={max_len}, but the model allows "
+                         f"{limit}: use --tiny, --input-len/--output-len, or a larger model")
+
+
+def run_throughput(cfg: BenchConfig, log=print) -> dict:
+    """Output tokens/s of every runner on one workload (see ``mrv2.bench``).
+
+    Returns:
+        The results dict (what ``python -m mrv2 bench throughput`` writes as JSON).
+    """
+    spec, hf_config = resolve_model(cfg)
+    tiny, vocab = cfg.tiny, hf_config.vocab_size
+    wl = make_workload(cfg.workload, vocab, cfg.seed, cfg.num_requests, cfg.input_len,
+                       cfg.output_len, tiny)
+    sweep = [random_workload(f"sweep-b{b}", b, (cfg.input_len or (16 if tiny else 128),) * 2,
+                             (cfg.output_len or (4 if tiny else 256),) * 2, vocab, cfg.seed)
+             for b in cfg.sweep_batch or []]
+    max_num_seqs = max([_default(cfg.max_num_seqs, 256, 4, tiny)] + (cfg.sweep_batch or []))
+    sizes = llm_runs.EngineSizes(max_num_seqs, max(w.max_len for w in [wl] + sweep),
+                                 cfg.max_num_batched_tokens, cfg.enforce_eager,
+                                 cfg.async_scheduling)
+    _check_len(sizes.max_model_len, hf_config)
+    hf_cap = _default(cfg.hf_max_requests, 64 if cfg.workload == "standard" else None, None, tiny)
+    hf_wl = wl.subset(hf_cap) if hf_cap and hf_cap < wl.num_requests else wl
+    subset = hf_wl if "hf" in cfg.runners and hf_wl is not wl else None
+    results = _header(cfg, spec, log)
+    results.update(workload=cfg.workload, workload_stats=wl.summary())
+    first_mrv2 = next((r for r in cfg.runners if r != "hf"), None)
+    info = None
+    for name in cfg.runners:
+        if name == "hf":
+            fn = lambda: hf_runs.run_throughput(  # noqa: E731
+                spec, hf_wl, batch_size=cfg.hf_batch_size or max_num_seqs,
+                cache_implementation=cfg.hf_cache, sweep=sweep, log=log)
+        else:
+            fn = lambda name=name: llm_runs.run_throughput(  # noqa: E731
+                spec, name, sizes, wl, warmup_requests=_default(cfg.warmup_requests, 32, 2, tiny),
+                warmup_tokens=_default(cfg.warmup_tokens, 16, 2, tiny), subset=subset,
+                sweep=sweep, profile_dir=cfg.profile if name == first_mrv2 else None,
+                timeline=cfg.timeline, log=log)
+        results["runners"][name], runner_info = _guarded(name, fn, log)
+        info = info or runner_info
+    results["model_info"] = info
+    results["ratios"] = throughput_ratios(results["runners"])
+    results["roofline"] = throughput_roofline(info, results["copy_bandwidth"], wl,
+                                              sizes.max_num_seqs, sweep)
+    results["notes"] += _throughput_notes(cfg, wl, hf_wl, "hf" in cfg.runners)
+    return results
+
+
+def throughput_ratios(runners: dict) -> dict:
+    """``v2/v1``, ``v2/hf``, ``v1/hf`` output tokens/s ratios (HF: on the same requests)."""
+    def tok(name, key=None):
+        r = runners.get(name) or {}
+        return (r.get(key) or {}).get("output_tok_s") if key else r.get("output_tok_s")
+
+    ratios = {}
+    if tok("v2") and tok("v1"):
+        ratios["v2/v1"] = tok("v2") / tok("v1")
+    for name in ("v2", "v1"):
+        same = tok(name, "subset") or tok(name)  # the subset run holds HF's exact requests
+        if tok("hf") and same:
+            ratios[f"{name}/hf"] = same / tok("hf")
+    return ratios
+
+
+def throughput_roofline(info: dict | None, bw: dict, wl, max_num_seqs: int,
+                        sweep: list) -> dict:
+    """Decode roofline at the workload's mean batch and mean context (and per sweep point)."""
+    if info is None:
+        return {}
+    kw = (info["weight_bytes"], info["kv_bytes_per_token"])
+    batch = min(wl.num_requests, max_num_seqs)
+    context = wl.summary()["input_len_mean"] + wl.summary()["output_len_mean"] / 2
+    out = {"bandwidth_gbs": bw["bandwidth_gbs"], "decode": decode_roofline(
+        *kw, batch, context, bw["bandwidth_gbs"]),
+        "definition": "decode step at batch=min(num_requests, max_num_seqs), context="
+                      "mean input + mean output / 2; bytes = weights + KV read; "
+                      "time = bytes / measured copy bandwidth (read+write)"}
+    if sweep:
+        out["sweep"] = [decode_roofline(*kw, w.num_requests, w.input_lens[0] +
+                                        w.output_lens[0] / 2, bw["bandwidth_gbs"]) for w in sweep]
+    return out
+
+
+def _throughput_notes(cfg, wl, hf_wl, with_hf: bool) -> list[str]:
+    notes = ["output tok/s = requested output tokens / wall time of one timed LLM.generate "
+             "(torch.cuda.synchronize before and after), after one warm-up generate",
+             "ratios a/b = output tok/s of a / output tok/s of b (higher: a is faster)"]
+    if with_hf:
+        notes += hf_runs.NOTES
+        if hf_wl is not wl:
+            notes.append(f"hf ran only the first {hf_wl.num_requests} of {wl.num_requests} "
+                         "requests (--hf-max-requests); the v2/hf and v1/hf ratios use each "
+                         "mrv2 runner's 'subset' run of the same requests")
+    return notes
+
+
+def run_latency(cfg: BenchConfig, log=print) -> dict:
+    """TTFT and TPOT of every runner at batch sizes 1, 8, 32 (see ``mrv2.bench``).
+
+    Returns:
+        The results dict (what ``python -m mrv2 bench latency`` writes as JSON).
+    """
+    spec, hf_config = resolve_model(cfg)
+    tiny = cfg.tiny
+    sizes_b = cfg.batch_sizes or ([1, 2] if tiny else [1, 8, 32])
+    in_len, out_len = cfg.input_len or (16 if tiny else 128), cfg.output_len or (4 if tiny else 128)
+    batches = [random_workload(f"latency-b{b}", b, (in_len, in_len), (out_len, out_len),
+                               hf_config.vocab_size, cfg.seed) for b in sizes_b]
+    sizes = llm_runs.EngineSizes(max(sizes_b + [cfg.max_num_seqs or 0]), in_len + out_len,
+                                 cfg.max_num_batched_tokens, cfg.enforce_eager,
+                                 cfg.async_scheduling)
+    _check_len(sizes.max_model_len, hf_config)
+    iters = _default(cfg.latency_iters, 3, 1, tiny)
+    results = _header(cfg, spec, log)
+    info = None
+    for name in cfg.runners:
+        if name == "hf":
+            fn = lambda: hf_runs.run_latency(spec, batches, iters=iters,  # noqa: E731
+                                             cache_implementation=cfg.hf_cache, log=log)
+        else:
+            fn = lambda name=name: llm_runs.run_latency(  # noqa: E731
+                spec, name, sizes, batches, iters=iters, log=log)
+        results["runners"][name], runner_info = _guarded(name, fn, log)
+        info = info or runner_info
+    results["model_info"] = info
+    results["ratios"] = latency_ratios(results["runners"])
+    if info is not None:
+        bw = results["copy_bandwidth"]["bandwidth_gbs"]
+        results["roofline"] = {"bandwidth_gbs": bw, "per_batch": [decode_roofline(
+            info["weight_bytes"], info["kv_bytes_per_token"], b, in_len + out_len / 2, bw)
+            for b in sizes_b]}
+    results["notes"] += [
+        "TTFT = wall time of a prefill-only generate (max_tokens=1) of the whole batch, "
+        "all prompts submitted at once; TPOT = (e2e - TTFT) / (output_len - 1); medians",
+        "latency ratios a/b = TPOT (or TTFT) of a / of b (lower: a is faster)",
+        "roofline per_batch step_ms is the best possible TPOT at that batch (context = "
+        "input_len + output_len / 2)"]
+    return results
+
+
+def latency_ratios(runners: dict) -> dict:
+    """Per batch size: ``tpot`` and ``ttft`` ratios a/b for (v2, v1), (v2, hf), (v1, hf)."""
+    def rows(name):
+        r = runners.get(name) or {}
+        return {row["batch_size"]: row for row in r.get("batches", [])}
+
+    out = {}
+    for a, b in (("v2", "v1"), ("v2", "hf"), ("v1", "hf")):
+        ra, rb = rows(a), rows(b)
+        common = sorted(set(ra) & set(rb))
+        if common:
+            out[f"{a}/{b}"] = {key: {str(bs): ra[bs][f"{key}_ms"] / rb[bs][f"{key}_ms"]
+                                     for bs in common if ra[bs][f"{key}_ms"] and rb[bs][f"{key}_ms"]}
+                               for key in ("tpot", "ttft")}
+    return out

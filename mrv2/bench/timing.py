@@ -1,0 +1,103 @@
+"""Timing rules shared by every runner: synchronise, then read the clock.
+
+A GPU runs behind the CPU, so a wall-clock figure is only true if the device is
+idle when the clock starts and has finished when it stops:
+``torch.cuda.synchronize()`` on both sides of the timed region, and nowhere inside
+it (the harness adds no per-step or per-token sync of its own).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from mrv2 import platform
+from mrv2.bench.workloads import Workload
+
+
+def sync() -> None:
+    """Wait for the GPU (a no-op on the CPU)."""
+    if platform.HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    """Run ``fn`` between two device syncs; returns ``(its result, seconds)``."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def free_device_memory() -> dict:
+    """Collect garbage and return cached GPU blocks, so the next runner starts clean.
+
+    Returns:
+        ``{"allocated_gib": ..., "reserved_gib": ...}`` after freeing (zeros on the CPU).
+    """
+    gc.collect()
+    if not platform.HAS_CUDA:
+        return {"allocated_gib": 0.0, "reserved_gib": 0.0}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {"allocated_gib": torch.cuda.memory_allocated() / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved() / 2**30}
+
+
+def throughput_figures(wall_s: float, output_tokens: int, steps: int) -> dict:
+    """Output tokens/s and mean step time of one timed run."""
+    return {"wall_s": wall_s, "output_tokens": int(output_tokens), "steps": int(steps),
+            "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
+            "mean_step_ms": 1e3 * wall_s / steps if steps else None}
+
+
+#: ``generate(workload, max_tokens) -> {"wall_s", "output_tokens", "steps", ...}``; a
+#: ``max_tokens`` of ``None`` means each request's own output length.
+GenerateFn = Callable[[Workload, "int | None"], dict]
+
+
+def latency_rows(generate: GenerateFn, batches: list[Workload], iters: int = 3) -> list[dict]:
+    """TTFT and TPOT for each batch (all prompts submitted at once).
+
+    TTFT is the wall time of a prefill-only run (``max_tokens=1``): every request of
+    the batch gets its first token by then. TPOT is ``(e2e - TTFT) / (output_len - 1)``
+    with e2e the wall time of the full run. Medians over ``iters`` runs.
+
+    Args:
+        generate: runs a workload, see ``GenerateFn``.
+        batches: one fixed-length workload per batch size.
+        iters: timed runs of each kind.
+
+    Returns:
+        One dict per batch: ``batch_size, input_len, output_len, ttft_ms, e2e_ms,
+        tpot_ms, steps, mean_step_ms`` and the raw runs.
+    """
+    rows = []
+    for wl in batches:
+        out_len = wl.output_lens[0]
+        ttft = [generate(wl, 1)["wall_s"] * 1e3 for _ in range(iters)]
+        runs = [generate(wl, None) for _ in range(iters)]
+        e2e = [r["wall_s"] * 1e3 for r in runs]
+        ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
+        steps = runs[0]["steps"]
+        rows.append({"batch_size": wl.num_requests, "input_len": wl.input_lens[0],
+                     "output_len": out_len, "ttft_ms": ttft_ms, "e2e_ms": e2e_ms,
+                     "tpot_ms": (e2e_ms - ttft_ms) / (out_len - 1) if out_len > 1 else None,
+                     "steps": steps, "mean_step_ms": e2e_ms / steps if steps else None,
+                     "ttft_ms_runs": ttft, "e2e_ms_runs": e2e})
+    return rows
+
+
+def sweep_rows(generate: GenerateFn, batches: list[Workload]) -> list[dict]:
+    """Output tokens/s of decode-dominated runs, one per batch size (one run each)."""
+    rows = []
+    for wl in batches:
+        r = generate(wl, None)
+        rows.append({"batch_size": wl.num_requests, "input_len": wl.input_lens[0],
+                     "output_len": wl.output_lens[0], **r})
+    return rows

@@ -1,0 +1,102 @@
+"""ModelState: the model-specific part of a step, behind a small interface.
+
+V1's runner grew to thousands of lines because every model's quirks (multimodal
+embeddings, M-RoPE positions, attention backends, graph capture) lived in it.
+MRV2 moves them into a ``ModelState`` that the runner calls at fixed points:
+
+1. ``prepare_attn(batch, graph_size)`` -> the ``AttentionMetadata`` of the step;
+2. ``get_inputs_embeds(input_ids)`` -> input embeddings, or ``None`` to let the
+   model embed the ids (the hook where a multimodal model splices in image
+   features);
+3. ``forward(input_ids, positions, attn_metadata)`` -> hidden states;
+4. ``compute_logits(hidden)`` -> logits;
+5. ``capture_cuda_graphs(graphs, make_dummy_batch)`` and ``run(batch, graph_size)``:
+   warm-up and capture on dummy batches, then replay or run eagerly.
+
+The runner never touches the model directly, so a new model family is a new
+``ModelState``, not a new branch in the runner. ``ModelState`` itself serves
+decoder-only text models (Qwen3, Llama). See
+notebooks/08_model_state_and_cuda_graphs.ipynb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from mrv2.cuda_graphs import CudaGraphManager
+from mrv2.forward_context import AttentionMetadata, set_forward_context
+from mrv2.input_batch import InputBatch
+
+
+class ModelState:
+    """Model-specific logic for decoder-only text models (the default).
+
+    Args:
+        model: a module with ``forward(input_ids, positions, inputs_embeds=None)``
+            and ``compute_logits(hidden)`` (``Qwen3ForCausalLM``).
+        max_model_len: the bound used for ``max_seq_len`` in captured graphs.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int):
+        self.model = model
+        self.max_model_len = max_model_len
+        self.graphs: CudaGraphManager | None = None
+
+    # -- the per-step interface --------------------------------------------------
+
+    def prepare_attn(self, batch: InputBatch, graph_size: int | None = None) -> AttentionMetadata:
+        """The step's attention metadata.
+
+        Args:
+            batch: the prepared inputs (its ``attn_metadata`` holds the exact bounds).
+            graph_size: the captured size when the step replays a graph: then the
+                host-side bounds must be the ones the graph was captured with.
+        """
+        if graph_size is None:
+            return batch.attn_metadata
+        # NOTE: a graph bakes host ints into its launches: use bounds valid for any step.
+        return dataclasses.replace(batch.attn_metadata, max_query_len=1,
+                                   max_seq_len=self.max_model_len)
+
+    def get_inputs_embeds(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """``[T, hidden]`` input embeddings, or ``None``: the model embeds ``input_ids``."""
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """One eager forward pass over the flat batch; returns ``[T, hidden]``."""
+        embeds = self.get_inputs_embeds(input_ids)
+        with set_forward_context(attn_metadata):
+            return self.model(input_ids, positions, inputs_embeds=embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` logits."""
+        return self.model.compute_logits(hidden)
+
+    # -- CUDA graphs ------------------------------------------------------------------
+
+    def capture_cuda_graphs(self, graphs: CudaGraphManager,
+                            make_dummy_batch: Callable[[int], InputBatch],
+                            progress: bool = False) -> None:
+        """Warm up and capture the forward pass at every size of ``graphs``.
+
+        Args:
+            graphs: the manager holding the sizes (and, after this, the graphs).
+            make_dummy_batch: writes an all-padding decode batch of a given size into
+                the static buffers and returns its ``InputBatch`` view.
+        """
+        def run(size: int) -> torch.Tensor:
+            batch = make_dummy_batch(size)
+            return self.forward(batch.input_ids, batch.positions, self.prepare_attn(batch, size))
+
+        graphs.capture(run, progress=progress)
+        self.graphs = graphs
+
+    def run(self, batch: InputBatch, graph_size: int | None = None) -> torch.Tensor:
+        """The step's hidden states ``[T_pad, hidden]``: graph replay or eager forward."""
+        if graph_size is not None and self.graphs is not None and graph_size in self.graphs.graphs:
+            return self.graphs.replay(graph_size)
+        return self.forward(batch.input_ids, batch.positions, self.prepare_attn(batch))
