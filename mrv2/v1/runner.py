@@ -115,6 +115,10 @@ class V1ModelRunner:
     # -- 1. state updates on the CPU ---------------------------------------------------
 
     def _update_states(self, sched: SchedulerOutput) -> None:
+        """Bring the backups and the persistent batch to this step's plan.
+
+        Afterwards row ``i`` of the batch holds the ``i``-th scheduled request.
+        """
         batch = self.input_batch
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
