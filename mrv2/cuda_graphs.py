@@ -72,13 +72,15 @@ class CudaGraphManager:
                 return size
         return None
 
-    def capture(self, run: Callable[[int], torch.Tensor], num_warmup: int = 2,
-                progress: bool = False) -> None:
-        """Capture ``run(size)`` for every size, largest first (the pool then fits all).
+    def capture(self, prepare: Callable[[int], object], forward: Callable[[object, int], torch.Tensor],
+                num_warmup: int = 2, progress: bool = False) -> None:
+        """Capture ``forward(prepare(size), size)`` for every size, largest first.
 
         Args:
-            run: prepares an all-padding batch of ``size`` in the static buffers and
-                runs the forward pass, returning its output tensor.
+            prepare: writes an all-padding batch of ``size`` into the static buffers and
+                returns it. It runs *outside* the capture: its host->device copies must
+                not be recorded, or every replay would repeat them.
+            forward: the forward pass over that batch, returning its output tensor.
             num_warmup: eager calls before capture (compiles kernels, sets up caches).
             progress: show a progress bar.
         """
@@ -87,12 +89,13 @@ class CudaGraphManager:
         self.pool = torch.cuda.graph_pool_handle()
         for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs",
                          disable=not progress):
+            batch = prepare(size)
             for _ in range(num_warmup):
-                run(size)
+                forward(batch, size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = run(size)
+                out = forward(batch, size)
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
 

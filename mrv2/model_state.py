@@ -88,11 +88,10 @@ class ModelState:
             make_dummy_batch: writes an all-padding decode batch of a given size into
                 the static buffers and returns its ``InputBatch`` view.
         """
-        def run(size: int) -> torch.Tensor:
-            batch = make_dummy_batch(size)
+        def forward(batch: InputBatch, size: int) -> torch.Tensor:
             return self.forward(batch.input_ids, batch.positions, self.prepare_attn(batch, size))
 
-        graphs.capture(run, progress=progress)
+        graphs.capture(make_dummy_batch, forward, progress=progress)
         self.graphs = graphs
 
     def run(self, batch: InputBatch, graph_size: int | None = None) -> torch.Tensor:

@@ -40,8 +40,12 @@ def tight_pair():
     return _tight(False), _tight(True)
 
 
-def test_async_default_is_off_on_cpu():
-    assert LLM(max_model_len=32, max_num_seqs=2).engine.async_scheduling is False
+def test_async_default_is_on_for_v2_on_a_gpu_only():
+    from mrv2 import platform
+
+    llm = LLM(max_model_len=32, max_num_seqs=2)
+    assert llm.engine.async_scheduling is platform.HAS_CUDA
+    assert LLM(max_model_len=32, max_num_seqs=2, runner="v1").engine.async_scheduling is False
 
 
 def test_async_equals_sync_greedy_and_seeded_under_preemption(tight_pair):

@@ -1,0 +1,243 @@
+"""Step-level benchmarks: what async scheduling and CUDA graphs each buy.
+
+* ``decode``: decode step time with and without CUDA graphs at several batch
+  sizes. Each batch runs twice, ``max_tokens=1`` (prefill only) and
+  ``1 + steps``; the difference divided by ``steps`` is the time of one decode
+  step, wall clock, as a user sees it (launch overhead included).
+* ``timeline``: the same workload with async scheduling off and on, recorded by
+  ``mrv2.timeline.Timeline``; reports the GPU's idle fraction between steps and
+  saves the spans (and a plot) so a reader sees step N+1's CPU work overlap step
+  N's GPU work.
+
+Run through ``python -m mrv2 bench decode|timeline``; results go to
+``benchmarks/results/`` as JSON (+ PNG).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import torch
+
+from mrv2 import LLM, SamplingParams
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    rng = np.random.RandomState(seed)
+    return [{"prompt_token_ids": rng.randint(0, vocab, size=length).tolist()} for _ in range(num)]
+
+
+def _timed_generate(llm: LLM, prompts, sp) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def _free(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_step_times(llm_kwargs: dict, batch_sizes=(1, 64, 256), context: int = 128,
+                      steps: int = 64, graphs=(True, False), repeats: int = 3) -> dict:
+    """Decode step time (ms) per batch size, with and without CUDA graphs.
+
+    Args:
+        llm_kwargs: ``LLM`` arguments (model, load_format, ...); ``max_num_seqs`` and
+            ``enforce_eager`` are set here.
+        batch_sizes: decode batch sizes to time.
+        context: prompt length of every request.
+        steps: decode steps timed per run.
+        graphs: which settings to run (True: CUDA graphs, False: eager).
+        repeats: runs per point; the median is kept.
+
+    Returns:
+        ``{"graphs": {B: ms}, "eager": {B: ms}}`` plus the settings.
+    """
+    out: dict = {"context": context, "steps": steps, "repeats": repeats}
+    for use_graphs in graphs:
+        llm = LLM(**{**llm_kwargs, "max_num_seqs": max(batch_sizes),
+                     "enforce_eager": not use_graphs})
+        vocab = llm.hf_config.vocab_size
+        times = {}
+        for b in batch_sizes:
+            prompts = _prompts(b, context, vocab, seed=b)
+            first = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0)
+            full = SamplingParams(temperature=0.6, max_tokens=1 + steps, ignore_eos=True, seed=0)
+            _timed_generate(llm, prompts, full)  # warm-up
+            per = [(_timed_generate(llm, prompts, full) - _timed_generate(llm, prompts, first))
+                   / steps * 1e3 for _ in range(repeats)]
+            times[b] = float(np.median(per))
+        out["graphs" if use_graphs else "eager"] = times
+        _free(llm)
+    if "graphs" in out and "eager" in out:
+        out["speedup"] = {b: out["eager"][b] / out["graphs"][b] for b in batch_sizes}
+    return out
+
+
+def async_timelines(llm_kwargs: dict, num_requests: int = 256, input_len: int = 32,
+                    output_len: int = 128, window: tuple[int, int] = (40, 56)) -> dict:
+    """The GPU idle fraction between steps with async scheduling off and on.
+
+    Args:
+        llm_kwargs: ``LLM`` arguments; ``async_scheduling`` is set here.
+        num_requests, input_len, output_len: the workload (host-bound by default).
+        window: steps whose spans are kept in the result, for plotting.
+
+    Returns:
+        ``{"sync": {...}, "async": {...}}``: each the timeline summary
+        (``gpu_idle_fraction``, ``gpu_ms_per_step``, mean ms per phase), wall time,
+        output tok/s and the spans of the window.
+    """
+    from mrv2.timeline import Timeline
+
+    out: dict = {"num_requests": num_requests, "input_len": input_len,
+                 "output_len": output_len, "window": list(window)}
+    for name, flag in (("sync", False), ("async", True)):
+        llm = LLM(**{**llm_kwargs, "async_scheduling": flag})
+        prompts = _prompts(num_requests, input_len, llm.hf_config.vocab_size)
+        sp = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
+        _timed_generate(llm, prompts[:16], sp)  # warm-up
+        tl = Timeline()
+        llm.engine.timeline = tl
+        wall = _timed_generate(llm, prompts, sp)
+        llm.engine.timeline = None
+        data = tl.finalize().to_dict()
+        lo, hi = window
+        out[name] = {"summary": data["summary"], "wall_s": wall,
+                     "output_tok_per_s": num_requests * output_len / wall,
+                     "cpu": [d for d in data["cpu"] if lo <= d["step"] < hi],
+                     "gpu": [d for d in data["gpu"] if lo <= d["step"] < hi]}
+        _free(llm)
+    return out
+
+
+def plot_async_timelines(result: dict, path=None):
+    """Two timelines, sync above async, from ``async_timelines``' result (or its JSON)."""
+    import matplotlib.pyplot as plt
+
+    from mrv2.timeline import plot_timeline
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 5.2))
+    lo, hi = result["window"]
+    num = min(6, hi - lo)
+    for ax, name in zip(axes, ("sync", "async")):
+        r = result[name]
+        idle = r["summary"].get("gpu_idle_fraction", float("nan"))
+        plot_timeline(r, ax, first_step=lo, num_steps=num,
+                      title=f"{name}: GPU idle {idle:.0%} between steps, "
+                            f"{r['output_tok_per_s']:,.0f} output tok/s")
+    axes[0].get_legend().remove()
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_decode_step_times(result: dict, path=None):
+    """Decode step time vs batch size, graphs vs eager (bars)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    sizes = sorted(int(b) for b in result["eager" if "eager" in result else "graphs"])
+    x = np.arange(len(sizes))
+    for i, key in enumerate(k for k in ("eager", "graphs") if k in result):
+        vals = [result[key][str(b)] if str(b) in result[key] else result[key][b] for b in sizes]
+        ax.bar(x + (i - 0.5) * 0.4, vals, 0.4, label="CUDA graphs" if key == "graphs" else key)
+    ax.set_xticks(x, [str(b) for b in sizes])
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.legend()
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _default_llm_kwargs(model: str | None, max_model_len: int) -> dict:
+    """Qwen3-0.6B's shape with dummy bf16 weights on a GPU; the embedded model on the CPU."""
+    import os
+    import pathlib
+
+    if model is None and torch.cuda.is_available():
+        root = pathlib.Path(os.environ.get("MRV2_SHARED_DATA",
+                                           pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
+        model = str(root / "qwen3-tokenizer")
+        return {"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
+                "max_model_len": max_model_len}
+    return {"model": model, "skip_tokenizer_init": True, "max_model_len": max_model_len}
+
+
+def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str | None = None,
+        plot: bool = True, tiny: bool = False) -> dict:
+    """``python -m mrv2 bench decode|timeline``: measure, print, write JSON (+ PNG).
+
+    Args:
+        kind: ``"decode"`` (step time, graphs vs eager) or ``"timeline"`` (async off vs on).
+        model: model folder (default: Qwen3-0.6B shape, dummy weights, on a GPU).
+        batch_sizes: decode batch sizes (``decode``).
+        out: JSON path (default ``benchmarks/results/<kind>_steps.json``).
+        plot: also save a PNG next to the JSON.
+        tiny: a seconds-long CPU version (embedded model, tiny sizes) for CI.
+    """
+    import datetime
+    import json
+    import pathlib
+    import platform as pyplatform
+    import subprocess
+
+    kw = _default_llm_kwargs(model, 512 if tiny else 2048)
+    if not torch.cuda.is_available():
+        kw["dtype"] = "float32"
+    if kind == "decode":
+        sizes = (1, 2) if tiny else tuple(batch_sizes)
+        graphs = (False,) if not torch.cuda.is_available() else (True, False)
+        result = decode_step_times(kw, sizes, context=8 if tiny else 128, steps=2 if tiny else 64,
+                                   graphs=graphs, repeats=1 if tiny else 3)
+        for key in ("graphs", "eager"):
+            if key in result:
+                print(f"{key:>7}: " + "  ".join(f"B={b}: {ms:.2f} ms" for b, ms in result[key].items()))
+    elif kind == "timeline":
+        args = dict(num_requests=4, input_len=8, output_len=6, window=(0, 6)) if tiny else {}
+        result = async_timelines(kw, **args)
+        for name in ("sync", "async"):
+            s = result[name]["summary"]
+            print(f"{name:>5}: {result[name]['output_tok_per_s']:,.0f} output tok/s, GPU idle "
+                  f"{s.get('gpu_idle_fraction', float('nan')):.1%}, "
+                  f"{s.get('gpu_ms_per_step', float('nan')):.2f} ms/step")
+    else:
+        raise ValueError(f"kind must be 'decode' or 'timeline', got {kind!r}")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    result["meta"] = {
+        "date": datetime.date.today().isoformat(), "git_commit": commit,
+        "hardware": torch.cuda.get_device_name() if torch.cuda.is_available() else pyplatform.processor(),
+        "torch": torch.__version__, "model": kw["model"] or "embedded",
+        "load_format": kw.get("load_format", "auto")}
+    path = pathlib.Path(out or f"benchmarks/results/{kind}_steps.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        draw = plot_decode_step_times if kind == "decode" else plot_async_timelines
+        draw(json.loads(path.read_text()), path.with_suffix(".png"))
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    run(sys.argv[1], tiny="--tiny" in sys.argv)

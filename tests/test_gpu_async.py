@@ -1,0 +1,106 @@
+"""GPU: the V2 step loop never synchronises, and async / CUDA graphs change no output."""
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from mrv2 import LLM, SamplingParams
+from mrv2.async_output import AsyncOutput
+from mrv2.models.loader import DEFAULT_MODEL_DIR
+
+
+def _prompts(seed, n, vocab, lo=1, hi=40):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(rng.randrange(lo, hi))]}
+            for _ in range(n)]
+
+
+def _mixed_params(n):
+    """Greedy, seeded top-k/top-p, logprobs, a stop token, min_p, penalties: the lot."""
+    out = []
+    for i in range(n):
+        kind = i % 5
+        if kind == 0:
+            out.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        elif kind == 1:
+            out.append(SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=i, max_tokens=9,
+                                      ignore_eos=True))
+        elif kind == 2:
+            out.append(SamplingParams(temperature=0.7, seed=i, logprobs=3, max_tokens=7,
+                                      ignore_eos=True))
+        elif kind == 3:
+            out.append(SamplingParams(temperature=1.0, seed=i, stop_token_ids=[5, 6, 7, 8],
+                                      max_tokens=15))
+        else:
+            out.append(SamplingParams(temperature=0.8, seed=i, min_p=0.05, max_tokens=10,
+                                      repetition_penalty=1.2, ignore_eos=True))
+    return out
+
+
+def _tight(**kw):
+    return LLM(DEFAULT_MODEL_DIR, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+               num_gpu_blocks_override=16, block_size=4, **kw)
+
+
+def test_v2_loop_runs_under_sync_debug_error():
+    """Prefills, decodes, finishes and preemptions; async + CUDA graphs; no sync at all
+    except the AsyncOutput events (which set_sync_debug_mode does not count)."""
+    llm = _tight(async_scheduling=True)
+    assert llm.runner.cuda_graphs.graphs  # captured
+    inputs = _prompts(0, 24, llm.hf_config.vocab_size)
+    params = _mixed_params(24)
+    llm.generate(inputs[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(inputs, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert llm.scheduler.num_preemptions > 0
+    assert all(o.finished for o in outs)
+    # The detector is live: a .tolist() of a device tensor does raise.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.ones(2, device="cuda").tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_outputs_identical_async_and_graphs_on_off():
+    """fp32 (so that padding a batch to a graph size cannot flip a near-tie argmax)."""
+    inputs = _prompts(1, 16, 2048)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=20, ignore_eos=True)
+              for i in range(16)]
+    results = {}
+    for async_scheduling in (False, True):
+        for eager in (False, True):
+            llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=16,
+                      async_scheduling=async_scheduling, enforce_eager=eager)
+            assert bool(llm.runner.cuda_graphs.graphs) == (not eager)
+            outs = llm.generate(inputs, params, use_tqdm=False)
+            results[(async_scheduling, eager)] = [o.outputs[0].token_ids for o in outs]
+    first = results[(False, True)]
+    for key, ids in results.items():
+        assert ids == first, key
+
+
+def test_tight_pool_async_equals_sync_bf16():
+    inputs = _prompts(2, 16, 2048)
+    params = _mixed_params(16)
+    a = _tight(async_scheduling=False).generate(inputs, params, use_tqdm=False)
+    b = _tight(async_scheduling=True).generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_async_output_copies_on_side_stream():
+    x = torch.arange(5, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keep the main stream busy
+    out = AsyncOutput(list("abcde"), x * 2)
+    assert out.event is not None
+    assert out.get_output().sampled_token_ids == [0, 2, 4, 6, 8]
+    assert out.is_ready()
