@@ -104,3 +104,16 @@ def test_async_output_copies_on_side_stream():
     assert out.event is not None
     assert out.get_output().sampled_token_ids == [0, 2, 4, 6, 8]
     assert out.is_ready()
+
+
+def test_v1_baseline_graphs_equal_eager_and_v2():
+    inputs = _prompts(3, 16, 2048)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for runner, eager in (("v1", False), ("v1", True), ("v2", False)):
+        llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=16,
+                  runner=runner, enforce_eager=eager)
+        assert bool(llm.runner.cuda_graphs.graphs) == (not eager)
+        outs[(runner, eager)] = [o.outputs[0].token_ids for o in
+                                 llm.generate(inputs, sp, use_tqdm=False)]
+    assert outs[("v1", False)] == outs[("v1", True)] == outs[("v2", False)]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from mrv2.config import CacheConfig, SchedulerConfig
+from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.runner import StepOutput
@@ -54,7 +55,9 @@ class V1ModelRunner:
         scheduler_config: step limits; cache_config: the KV block size.
         num_blocks: KV blocks to allocate per layer.
         device, dtype: where and in what precision.
-        enforce_eager: accepted for the common API (this runner is always eager).
+        enforce_eager: no CUDA graphs. Otherwise, on a GPU, uniform decode batches replay
+            full CUDA graphs over the fixed input buffers, as V2 does (V1 captured
+            piecewise graphs; a full graph is the fairer match for the V2 comparison).
         logits_processors: must be empty (``ValueError`` otherwise).
     """
 
@@ -93,6 +96,35 @@ class V1ModelRunner:
             buffers(R + 1, torch.int32)
         self.seq_lens_cpu, self.seq_lens_np, self.seq_lens = buffers(R, torch.int32)
         self.arange_np = np.arange(max(T, R) + 1, dtype=np.int64)
+        use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.cuda_graphs = CudaGraphManager(capture_sizes(R) if use_graphs else [])
+
+    # -- CUDA graphs (the same manager as V2) ----------------------------------------------
+
+    def _graph_metadata(self, size: int) -> AttentionMetadata:
+        """Attention metadata over the fixed buffers for a padded decode batch of ``size``."""
+        bt = self.input_batch.block_table
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_table=bt.block_table[:size], slot_mapping=bt.slot_mapping[:size],
+            max_query_len=1, max_seq_len=self.max_model_len)
+
+    def capture_cuda_graphs(self, progress: bool = True) -> None:
+        """Capture the decode forward pass at every size (a no-op without graphs)."""
+        if not self.cuda_graphs.enabled:
+            return
+
+        def prepare(size: int) -> int:  # an all-padding batch: empty queries, no slots
+            self.query_start_loc.zero_()
+            self.seq_lens.zero_()
+            self.input_batch.block_table.slot_mapping.fill_(-1)
+            return size
+
+        def forward(size: int, _: int) -> torch.Tensor:
+            with set_forward_context(self._graph_metadata(size)):
+                return self.model(self.input_ids[:size], self.positions[:size])
+
+        self.cuda_graphs.capture(prepare, forward, progress=progress)
 
     def validate_params(self, sp: SamplingParams) -> None:
         """Raise ``ValueError`` naming a sampling feature this baseline does not implement."""
@@ -211,8 +243,12 @@ class V1ModelRunner:
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         attn_metadata, logits_indices = self._prepare_inputs(num_scheduled)
         T = int(num_scheduled.sum())
-        with set_forward_context(attn_metadata):
-            hidden = self.model(self.input_ids[:T], self.positions[:T])    # [T, hidden]
+        graph_size = self.cuda_graphs.padded_size(len(req_ids), T)
+        if graph_size is not None:  # padding rows: seq_len 0, slot -1 (_prepare_inputs)
+            hidden = self.cuda_graphs.replay(graph_size)                    # [size, hidden]
+        else:
+            with set_forward_context(attn_metadata):
+                hidden = self.model(self.input_ids[:T], self.positions[:T])  # [T, hidden]
         logits = self.model.compute_logits(hidden[logits_indices])         # [B, V]
 
         # A row whose chunk stops short of its known tokens is a partial prefill: its
