@@ -31,8 +31,14 @@ The figures are plotted from the JSON by ``plot_throughput``, ``plot_latency``,
 ``plot_roofline`` (pure matplotlib), e.g. in notebooks/10_full_runner_qwen3_and_benchmarks.
 """
 
-from mrv2.bench.plots import (load_results, plot_latency, plot_roofline, plot_step_split,
-                              plot_throughput, save_plots)
+from mrv2.bench.plots import (
+                              load_results,
+                              plot_latency,
+                              plot_roofline,
+                              plot_step_split,
+                              plot_throughput,
+                              save_plots,
+)
 from mrv2.bench.roofline import copy_bandwidth, decode_roofline, kv_bytes_per_token, weight_bytes
 from mrv2.bench.suite import BenchConfig, run_latency, run_throughput
 from mrv2.bench.workloads import Workload, make_workload, random_workload

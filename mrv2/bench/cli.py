@@ -3,6 +3,8 @@
     python -m mrv2 bench throughput --runner v2,v1,hf               # standard workload
     python -m mrv2 bench throughput --workload host-bound --runner v2,v1
     python -m mrv2 bench latency --runner v2,v1
+    python -m mrv2 bench decode --plot      # decode step time, CUDA graphs vs eager, B=1,64,256
+    python -m mrv2 bench timeline --plot    # GPU idle between steps, async off vs on
     python -m mrv2 bench throughput --tiny --runner v2 --out /tmp/t.json   # CPU, seconds
 """
 
@@ -31,7 +33,9 @@ def _runner_list(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's arguments."""
-    p.add_argument("kind", choices=["throughput", "latency"])
+    p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline"],
+                   help="throughput / latency (v2 vs v1 vs hf), decode (step time with and "
+                        "without CUDA graphs), timeline (GPU idle with async off and on)")
     p.add_argument("--runner", type=_runner_list, default=["v2", "v1", "hf"],
                    help="comma list of v2, v1, hf (run one after another in this process)")
     p.add_argument("--workload", choices=["standard", "host-bound"], default="standard",
@@ -52,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-requests", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs of each mrv2 runner, the fastest counts (default 2 on a "
+                        "GPU: the first absorbs one-time kernel compilations; 1 on the CPU)")
     p.add_argument("--hf-max-requests", type=int, default=None,
                    help="cap the hf runner to the first N requests (default 64 on standard)")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: max-num-seqs")
@@ -87,21 +94,33 @@ def config_from_args(args: argparse.Namespace):
         hf_max_requests=args.hf_max_requests, hf_batch_size=args.hf_batch_size,
         hf_cache=None if args.hf_cache == "dynamic" else args.hf_cache,
         batch_sizes=args.batch_sizes, latency_iters=args.latency_iters,
-        sweep_batch=args.sweep_batch, profile=args.profile, timeline=args.timeline)
+        sweep_batch=args.sweep_batch, profile=args.profile, timeline=args.timeline,
+        repeats=args.repeats)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, write the JSON (and PNG), print the table.
 
     Returns:
-        0 when at least one runner succeeded, 1 when all failed.
+        0 when at least one runner succeeded, 1 when all failed, 2 for a bad
+        configuration (bad option values, a missing model, lengths over the model's limit).
     """
-    from mrv2.bench.report import (default_out_path, latency_table, throughput_table,
-                                   write_json)
+    from mrv2.bench.report import default_out_path, latency_table, throughput_table, write_json
     from mrv2.bench.suite import run_latency, run_throughput
 
-    cfg = config_from_args(args)
-    results = (run_throughput if cfg.kind == "throughput" else run_latency)(cfg)
+    if args.kind in ("decode", "timeline"):  # step-level figures (bench/steps.py)
+        from mrv2.bench.steps import run as run_steps
+
+        run_steps(args.kind, args.model, args.batch_sizes or (1, 64, 256), args.out,
+                  plot=args.plot, tiny=args.tiny)
+        return 0
+
+    try:
+        cfg = config_from_args(args)
+        results = (run_throughput if cfg.kind == "throughput" else run_latency)(cfg)
+    except (ValueError, FileNotFoundError) as e:  # a bad option or model: say which, no traceback
+        print(f"[bench] error: {e}")
+        return 2
     out = args.out or default_out_path(cfg.kind, cfg.workload if cfg.kind == "throughput"
                                        else None, cfg.tiny)
     path = write_json(results, out)

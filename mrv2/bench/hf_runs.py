@@ -23,9 +23,9 @@ from mrv2.bench.timing import latency_rows, sweep_rows, throughput_figures, time
 from mrv2.bench.workloads import Workload
 
 NOTES = [
-    "hf: transformers generate, batches sorted by (output_len, input_len) and left-padded; "
+    ("hf: transformers generate, batches sorted by (output_len, input_len) and left-padded; "
     "each batch runs to its longest requested output, only requested tokens are counted "
-    "(generated_tokens includes the waste)",
+    "(generated_tokens includes the waste)"),
     "hf: steps = forward passes (one per generated position of each batch)",
 ]
 
@@ -92,7 +92,10 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
 def sample_batch(model, ids, mask, max_new: int, temperature: float,
                  cache_implementation: str | None = None) -> torch.Tensor:
     """``generate`` ``max_new`` sampled tokens for every row; returns ``[B, width + max_new]``."""
-    kw = {"cache_implementation": cache_implementation} if cache_implementation else {}
+    # NOTE: with a static cache transformers would torch.compile the forward, once per new
+    # shape, inside the timed run; the benchmark measures the cache, not the compiler.
+    kw = ({"cache_implementation": cache_implementation, "disable_compile": True}
+          if cache_implementation else {})
     return model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                           temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new,
                           min_new_tokens=max_new, pad_token_id=0, **kw)
@@ -164,8 +167,9 @@ def run_throughput(spec: ModelSpec, wl: Workload, *, batch_size: int,
     log(f"[bench] hf: {res['output_tok_s']:,.1f} output tok/s ({res['wall_s']:.2f} s)")
     if sweep:
         log(f"[bench] hf: batch sweep {[w.num_requests for w in sweep]}")
-        res["sweep"] = sweep_rows(lambda w, m: generate_timed(
-            model, w, w.num_requests, m, cache_implementation), sweep)
+        res["sweep"] = sweep_rows(
+            lambda w, m: generate_timed(model, w, w.num_requests, m, cache_implementation),
+            sweep, lambda w: _warm_up(model, w, cache_implementation, w.num_requests))
     return res, info
 
 

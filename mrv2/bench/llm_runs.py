@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import pathlib
 import time
+import warnings
 from dataclasses import dataclass
 
 from mrv2.bench.timing import throughput_figures, timed
@@ -72,12 +73,14 @@ def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
 def warm_up(llm, wl: Workload, num_requests: int, max_tokens: int) -> float:
     """A small untimed generate (JIT compilation, allocator, first-call costs); returns seconds.
 
-    Output lengths are staggered (1 .. ``max_tokens``) so the batch shrinks step by step and
-    kernels meet odd batch sizes too (Triton specialises on sizes divisible by 16 and on 1).
+    Output lengths are staggered from 1 to ``max_tokens`` (the longest alone), so the batch
+    shrinks step by step down to 1 and kernels meet odd batch sizes too: Triton compiles
+    a variant per size class (divisible by 16, equal to 1, other), and a compilation
+    inside the timed run would be counted as runner time.
     """
     k = min(num_requests, wl.num_requests)
-    small = Workload(f"{wl.name}-warmup", wl.prompts[:k],
-                     [1 + (7 * i) % max_tokens for i in range(k)], wl.temperature)
+    lens = [max_tokens] if k == 1 else [1 + i * (max_tokens - 1) // (k - 1) for i in range(k)]
+    small = Workload(f"{wl.name}-warmup", wl.prompts[:k], lens, wl.temperature)
     requests, params = small.requests(), small.sampling_params()
     return timed(lambda: llm.generate(requests, params, use_tqdm=False))[1]
 
@@ -97,10 +100,10 @@ def profile_steps(llm, wl: Workload, out_dir: str | pathlib.Path, tag: str,
                   active: int = 5) -> str:
     """Chrome trace (``torch.profiler``) of ``active`` steps once the prefills are done.
 
-    Runs the workload's first ``max_num_seqs`` requests with a few output tokens each;
-    the profiler's schedule skips the prefill steps, so the recorded steps are decodes
-    of a full batch. ``engine.step`` is wrapped (on this instance only) to advance the
-    profiler schedule once per step.
+    Runs the workload's first ``max_num_seqs`` requests; the profiler's schedule skips
+    the prefill steps, and every request asks for enough tokens to still be running
+    then, so the recorded steps are decodes of a full batch. ``engine.step`` is wrapped
+    (on this instance only) to advance the profiler schedule once per step.
 
     Returns:
         The path of the trace (``<out_dir>/trace_<tag>.json``; open it in Perfetto).
@@ -116,8 +119,10 @@ def profile_steps(llm, wl: Workload, out_dir: str | pathlib.Path, tag: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
     engine = llm.engine
-    with profile(activities=acts, schedule=schedule(wait=wait, warmup=warmup, active=active),
+    plan = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+    with warnings.catch_warnings(), profile(activities=acts, schedule=plan,
                  on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
         step = engine.step
 
         def profiled_step():
@@ -127,7 +132,8 @@ def profile_steps(llm, wl: Workload, out_dir: str | pathlib.Path, tag: str,
 
         engine.step = profiled_step  # NOTE: an instance attribute shadows the method
         try:
-            llm.generate(sub.requests(), sub.sampling_params(warmup + active + 3), use_tqdm=False)
+            llm.generate(sub.requests(), sub.sampling_params(wait + warmup + active + 3),
+                         use_tqdm=False)
         finally:
             vars(engine).pop("step", None)
     return str(path)
@@ -162,8 +168,12 @@ def timeline_summary(llm, wl: Workload, max_tokens: int = 64) -> dict | None:
 def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workload, *,
                    warmup_requests: int, warmup_tokens: int, subset: Workload | None = None,
                    sweep: list[Workload] | None = None, profile_dir: str | None = None,
-                   timeline: bool = False, log=print) -> tuple[dict, dict]:
+                   timeline: bool = False, repeats: int = 1, log=print) -> tuple[dict, dict]:
     """Build one mrv2 runner and time it on the workload (and the extras asked for).
+
+    With ``repeats > 1`` the workload is timed that many times and the fastest run is
+    reported (all are kept under ``runs``): a first full run also catches one-time costs
+    the small warm-up could not reach (e.g. kernels compiled for longer contexts).
 
     Returns:
         ``(figures, model_info)``: the runner's figures for the JSON, and the model's
@@ -178,22 +188,34 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
     info = model_info(llm.model, llm.hf_config, llm.dtype)
     log(f"[bench] {runner}: built in {res['build_s']:.1f} s; warm-up")
     res["warmup_s"] = warm_up(llm, wl, warmup_requests, warmup_tokens)
-    log(f"[bench] {runner}: timed run of {wl.num_requests} requests")
-    res.update(generate_timed(llm, wl))
-    res["num_requests"] = wl.num_requests
+    runs = []
+    for i in range(repeats):
+        log(f"[bench] {runner}: timed run {i + 1}/{repeats} of {wl.num_requests} requests")
+        runs.append(generate_timed(llm, wl))
+    res.update(min(runs, key=lambda r: r["wall_s"]), num_requests=wl.num_requests)
+    if repeats > 1:
+        res["runs"] = runs
     log(f"[bench] {runner}: {res['output_tok_s']:,.1f} output tok/s ({res['wall_s']:.2f} s, "
         f"{res['steps']} steps)")
+    extras = []  # (key in the JSON, what to run), all on the same LLM
     if subset is not None:
-        log(f"[bench] {runner}: timed run of the HF subset ({subset.num_requests} requests)")
-        res["subset"] = {"num_requests": subset.num_requests, **generate_timed(llm, subset)}
+        extras.append(("subset", lambda: {"num_requests": subset.num_requests,
+                                          **generate_timed(llm, subset)}))
     if sweep:
-        log(f"[bench] {runner}: batch sweep {[w.num_requests for w in sweep]}")
-        res["sweep"] = sweep_rows(lambda w, m: generate_timed(llm, w, m), sweep)
+        extras.append(("sweep", lambda: sweep_rows(
+            lambda w, m: generate_timed(llm, w, m), sweep,
+            warm_up=lambda w: warm_up(llm, w, w.num_requests, 3))))
     if profile_dir:
-        res["profile_trace"] = profile_steps(llm, wl, profile_dir, runner)
-        log(f"[bench] {runner}: profiler trace -> {res['profile_trace']}")
+        extras.append(("profile_trace", lambda: profile_steps(llm, wl, profile_dir, runner)))
     if timeline:
-        res["timeline"] = timeline_summary(llm, wl)
+        extras.append(("timeline", lambda: timeline_summary(llm, wl)))
+    for key, fn in extras:
+        log(f"[bench] {runner}: {key}")
+        try:  # NOTE: a failing extra must not lose the figures measured above
+            res[key] = fn()
+        except Exception as e:  # noqa: BLE001
+            log(f"[bench] {runner}: {key} FAILED: {type(e).__name__}: {e}")
+            res[f"{key}_error"] = f"{type(e).__name__}: {e}"
     return res, info
 
 

@@ -13,6 +13,9 @@ import pathlib
 
 COLORS = {"v2": "tab:green", "v1": "tab:blue", "hf": "tab:orange"}
 ROOF_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+#: Step phases of ``mrv2.timeline``, in the order a step runs them, with its colours.
+PHASES = {"schedule": "tab:purple", "prep": "tab:blue", "forward": "tab:orange",
+          "sample": "tab:green", "wait": "tab:red", "output": "tab:gray"}
 
 
 def load_results(src: str | os.PathLike | dict) -> dict:
@@ -61,6 +64,8 @@ def plot_throughput(results, ax=None):
         ax.axhline(roof["tok_s"], **ROOF_STYLE,
                    label=f"decode roofline (batch {roof['batch']}, ctx {roof['context']:.0f})")
         ax.legend(fontsize=8, loc="upper right")
+        if vals and roof["tok_s"] > 5 * max(vals):  # NOTE: far above the bars: log scale
+            ax.set_yscale("log")
     ax.set_ylabel("output tokens / s")
     ax.set_title(_title(res, f"throughput, {res.get('workload', '')}"), fontsize=9)
     return ax
@@ -161,11 +166,13 @@ def plot_step_split(results, ax=None):
     if not rows:
         return None
     ax = _axis(ax)
-    phases = sorted({p for _, t in rows for p in t.get("cpu_ms", {})})
+    seen = {p for _, t in rows for p in t.get("cpu_ms", {})}
+    phases = [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
     bottom = [0.0] * len(rows)
-    for phase in phases:
+    for i, phase in enumerate(phases):
         vals = [t.get("cpu_ms", {}).get(phase, 0.0) for _, t in rows]
-        ax.bar([n for n, _ in rows], vals, bottom=bottom, label=phase)
+        ax.bar([n for n, _ in rows], vals, bottom=bottom, label=phase,
+               color=PHASES.get(phase, f"C{i}"))
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, (_, t) in enumerate(rows):
         if t.get("gpu_ms_per_step"):

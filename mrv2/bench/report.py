@@ -30,7 +30,8 @@ def _version(module: str) -> str | None:
 
 
 def git_commit(root: pathlib.Path = REPO_ROOT) -> str:
-    """The checkout's commit: ``$MRV2_GIT_COMMIT``, ``.git`` files, ``git rev-parse``, or "unknown"."""
+    """The checkout's commit: ``$MRV2_GIT_COMMIT``, the ``.git`` files, ``git rev-parse``,
+    or "unknown"."""
     if os.environ.get("MRV2_GIT_COMMIT"):
         return os.environ["MRV2_GIT_COMMIT"]
     try:  # read the files first: the GPU machine may have the tree but no git binary
@@ -48,7 +49,7 @@ def git_commit(root: pathlib.Path = REPO_ROOT) -> str:
         pass
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10)
+                             text=True, timeout=10, check=False)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -110,14 +111,19 @@ def _jsonable(x):
 
 
 def _f(x, fmt: str) -> str:
-    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+    """``x`` formatted, or a right-aligned "-" of the same width when it is missing."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return format(x, fmt)
+    width = "".join(c for c in fmt.split(".")[0] if c.isdigit())
+    return "-".rjust(int(width or 1))
 
 
 def throughput_table(results: dict) -> str:
     """``runner | output tok/s | steps | ms/step | ratio vs v1`` (and the roofline)."""
     runners = results.get("runners", {})
     base = runners.get("v1", {}).get("output_tok_s")
-    lines = [f"{'runner':<8} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}  requests"]
+    head = f"{'runner':<8} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}"
+    lines = [head + "  requests"]
     for name, r in runners.items():
         if "error" in r:
             lines.append(f"{name:<8} ERROR: {r['error'].splitlines()[-1][:90]}")

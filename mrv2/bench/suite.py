@@ -57,10 +57,14 @@ class BenchConfig:
     profile: str | None = None
     timeline: bool = False
     copy_bytes: int | None = None
+    repeats: int | None = None                # timed runs per mrv2 runner (fastest counts):
+                                              # default 2 on a GPU, 1 on the CPU / tiny
 
     def __post_init__(self):
         if self.kind not in ("throughput", "latency"):
             raise ValueError(f"kind must be 'throughput' or 'latency', got {self.kind!r}")
+        if self.repeats is not None and self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         bad = [r for r in self.runners if r not in RUNNERS]
         if bad or not self.runners:
             raise ValueError(f"runners must be a non-empty subset of {RUNNERS}, got {self.runners}")
@@ -151,25 +155,28 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     results = _header(cfg, spec, log)
     results.update(workload=cfg.workload, workload_stats=wl.summary())
     first_mrv2 = next((r for r in cfg.runners if r != "hf"), None)
+    # NOTE: kernels compile per context-length class (attention block sizes, splits), which
+    # a small warm-up cannot all reach: on a GPU a first full run absorbs them.
+    repeats = cfg.repeats or (2 if platform.HAS_CUDA and not tiny else 1)
     info = None
     for name in cfg.runners:
         if name == "hf":
-            fn = lambda: hf_runs.run_throughput(  # noqa: E731
+            fn = lambda: hf_runs.run_throughput(
                 spec, hf_wl, batch_size=cfg.hf_batch_size or max_num_seqs,
                 cache_implementation=cfg.hf_cache, sweep=sweep, log=log)
         else:
-            fn = lambda name=name: llm_runs.run_throughput(  # noqa: E731
+            fn = lambda name=name: llm_runs.run_throughput(
                 spec, name, sizes, wl, warmup_requests=_default(cfg.warmup_requests, 32, 2, tiny),
                 warmup_tokens=_default(cfg.warmup_tokens, 16, 2, tiny), subset=subset,
                 sweep=sweep, profile_dir=cfg.profile if name == first_mrv2 else None,
-                timeline=cfg.timeline, log=log)
+                timeline=cfg.timeline, repeats=repeats, log=log)
         results["runners"][name], runner_info = _guarded(name, fn, log)
         info = info or runner_info
     results["model_info"] = info
     results["ratios"] = throughput_ratios(results["runners"])
     results["roofline"] = throughput_roofline(info, results["copy_bandwidth"], wl,
                                               sizes.max_num_seqs, sweep)
-    results["notes"] += _throughput_notes(cfg, wl, hf_wl, "hf" in cfg.runners)
+    results["notes"] += _throughput_notes(repeats, wl, hf_wl, "hf" in cfg.runners)
     return results
 
 
@@ -208,9 +215,12 @@ def throughput_roofline(info: dict | None, bw: dict, wl, max_num_seqs: int,
     return out
 
 
-def _throughput_notes(cfg, wl, hf_wl, with_hf: bool) -> list[str]:
-    notes = ["output tok/s = requested output tokens / wall time of one timed LLM.generate "
-             "(torch.cuda.synchronize before and after), after one warm-up generate",
+def _throughput_notes(repeats: int, wl, hf_wl, with_hf: bool) -> list[str]:
+    notes = [("output tok/s = requested output tokens / wall time of one timed LLM.generate "
+              "(torch.cuda.synchronize before and after), after one warm-up generate"
+              + (f"; mrv2 runners: fastest of {repeats} timed runs (all under 'runs': the "
+                 "first also absorbs one-time kernel compilations), hf: one run"
+                 if repeats > 1 else "")),
              "ratios a/b = output tok/s of a / output tok/s of b (higher: a is faster)"]
     if with_hf:
         notes += hf_runs.NOTES
@@ -242,10 +252,10 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     info = None
     for name in cfg.runners:
         if name == "hf":
-            fn = lambda: hf_runs.run_latency(spec, batches, iters=iters,  # noqa: E731
+            fn = lambda: hf_runs.run_latency(spec, batches, iters=iters,
                                              cache_implementation=cfg.hf_cache, log=log)
         else:
-            fn = lambda name=name: llm_runs.run_latency(  # noqa: E731
+            fn = lambda name=name: llm_runs.run_latency(
                 spec, name, sizes, batches, iters=iters, log=log)
         results["runners"][name], runner_info = _guarded(name, fn, log)
         info = info or runner_info
@@ -257,11 +267,11 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
             info["weight_bytes"], info["kv_bytes_per_token"], b, in_len + out_len / 2, bw)
             for b in sizes_b]}
     results["notes"] += [
-        "TTFT = wall time of a prefill-only generate (max_tokens=1) of the whole batch, "
-        "all prompts submitted at once; TPOT = (e2e - TTFT) / (output_len - 1); medians",
+        ("TTFT = wall time of a prefill-only generate (max_tokens=1) of the whole batch, "
+        "all prompts submitted at once; TPOT = (e2e - TTFT) / (output_len - 1); medians"),
         "latency ratios a/b = TPOT (or TTFT) of a / of b (lower: a is faster)",
-        "roofline per_batch step_ms is the best possible TPOT at that batch (context = "
-        "input_len + output_len / 2)"]
+        ("roofline per_batch step_ms is the best possible TPOT at that batch (context = "
+        "input_len + output_len / 2)")]
     return results
 
 
@@ -277,6 +287,7 @@ def latency_ratios(runners: dict) -> dict:
         common = sorted(set(ra) & set(rb))
         if common:
             out[f"{a}/{b}"] = {key: {str(bs): ra[bs][f"{key}_ms"] / rb[bs][f"{key}_ms"]
-                                     for bs in common if ra[bs][f"{key}_ms"] and rb[bs][f"{key}_ms"]}
+                                     for bs in common
+                                     if ra[bs][f"{key}_ms"] and rb[bs][f"{key}_ms"]}
                                for key in ("tpot", "ttft")}
     return out

@@ -93,10 +93,20 @@ def latency_rows(generate: GenerateFn, batches: list[Workload], iters: int = 3) 
     return rows
 
 
-def sweep_rows(generate: GenerateFn, batches: list[Workload]) -> list[dict]:
-    """Output tokens/s of decode-dominated runs, one per batch size (one run each)."""
+def sweep_rows(generate: GenerateFn, batches: list[Workload],
+               warm_up: Callable[[Workload], object] | None = None) -> list[dict]:
+    """Output tokens/s of decode-dominated runs, one timed run per batch size.
+
+    Args:
+        generate: runs a workload, see ``GenerateFn``.
+        batches: one fixed-length workload per batch size.
+        warm_up: a short untimed run of a workload, done before timing it (new sizes
+            may need new kernel variants compiled).
+    """
     rows = []
     for wl in batches:
+        if warm_up is not None:
+            warm_up(wl)
         r = generate(wl, None)
         rows.append({"batch_size": wl.num_requests, "input_len": wl.input_lens[0],
                      "output_len": wl.output_lens[0], **r})

@@ -164,15 +164,11 @@ def plot_decode_step_times(result: dict, path=None):
 
 def _default_llm_kwargs(model: str | None, max_model_len: int) -> dict:
     """Qwen3-0.6B's shape with dummy bf16 weights on a GPU; the embedded model on the CPU."""
-    import os
-    import pathlib
+    from mrv2.bench.suite import shared_data_dir
 
     if model is None and torch.cuda.is_available():
-        root = pathlib.Path(os.environ.get("MRV2_SHARED_DATA",
-                                           pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"))
-        model = str(root / "qwen3-tokenizer")
-        return {"model": model, "load_format": "dummy", "skip_tokenizer_init": True,
-                "max_model_len": max_model_len}
+        return {"model": str(shared_data_dir() / "qwen3-tokenizer"), "load_format": "dummy",
+                "skip_tokenizer_init": True, "max_model_len": max_model_len}
     return {"model": model, "skip_tokenizer_init": True, "max_model_len": max_model_len}
 
 
@@ -188,11 +184,10 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
         plot: also save a PNG next to the JSON.
         tiny: a seconds-long CPU version (embedded model, tiny sizes) for CI.
     """
-    import datetime
     import json
     import pathlib
-    import platform as pyplatform
-    import subprocess
+
+    from mrv2.bench.report import REPO_ROOT, environment, write_json
 
     kw = _default_llm_kwargs(model, 512 if tiny else 2048)
     if not torch.cuda.is_available():
@@ -215,29 +210,13 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
                   f"{s.get('gpu_ms_per_step', float('nan')):.2f} ms/step")
     else:
         raise ValueError(f"kind must be 'decode' or 'timeline', got {kind!r}")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    result["meta"] = {
-        "date": datetime.date.today().isoformat(), "git_commit": commit,
-        "hardware": torch.cuda.get_device_name() if torch.cuda.is_available() else pyplatform.processor(),
-        "torch": torch.__version__, "model": kw["model"] or "embedded",
-        "load_format": kw.get("load_format", "auto")}
-    path = pathlib.Path(out or f"benchmarks/results/{kind}_steps.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    result["meta"] = {**environment(), "model": kw["model"] or "embedded",
+                      "load_format": kw.get("load_format", "auto")}
+    path = write_json(result, out or REPO_ROOT / "benchmarks" / "results" / f"{kind}_steps.json")
+    print(f"[bench] wrote {path}")
     if plot:
         import matplotlib
         matplotlib.use("Agg")
         draw = plot_decode_step_times if kind == "decode" else plot_async_timelines
-        draw(json.loads(path.read_text()), path.with_suffix(".png"))
+        draw(json.loads(pathlib.Path(path).read_text()), path.with_suffix(".png"))
     return result
-
-
-if __name__ == "__main__":
-    import sys
-
-    run(sys.argv[1], tiny="--tiny" in sys.argv)

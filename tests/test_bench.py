@@ -1,0 +1,199 @@
+"""The benchmark harness (``python -m mrv2 bench``) on the CPU: tiny runs, roofline
+arithmetic, the transformers baseline's weights and token counts, and the plots."""
+
+import importlib.util
+import json
+import pathlib
+import types
+
+import pytest
+import torch
+
+import mrv2  # noqa: F401  (before transformers: Triton's interpreter mode)
+from mrv2.__main__ import main
+from mrv2.bench import hf_runs, llm_runs, plots, suite
+from mrv2.bench.roofline import copy_bandwidth, decode_roofline, kv_bytes_per_token, weight_bytes
+from mrv2.bench.workloads import make_workload, random_workload
+
+HAS_V1 = importlib.util.find_spec("mrv2.v1") is not None
+
+
+def _run_cli(tmp_path, *args) -> dict:
+    out = tmp_path / "r.json"
+    assert main(["bench", *args, "--tiny", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_header(res: dict):
+    for key in ("date", "hardware", "versions", "git_commit", "config", "model_info",
+                "copy_bandwidth", "roofline", "ratios", "notes", "runners"):
+        assert key in res, key
+    assert res["versions"]["torch"] == torch.__version__
+    assert res["copy_bandwidth"]["bandwidth_gbs"] > 0
+
+
+def test_throughput_tiny_v2_and_hf(tmp_path):
+    res = _run_cli(tmp_path, "throughput", "--runner", "v2,hf", "--hf-max-requests", "2",
+                   "--profile", str(tmp_path / "prof"), "--repeats", "2")
+    _check_header(res)
+    v2, hf = res["runners"]["v2"], res["runners"]["hf"]
+    wl = res["workload_stats"]
+    assert v2["output_tokens"] == wl["output_tokens"] and v2["output_tok_s"] > 0
+    assert v2["steps"] > 0 and v2["mean_step_ms"] > 0 and v2["num_requests"] == 4
+    assert len(v2["runs"]) == 2 and v2["wall_s"] == min(r["wall_s"] for r in v2["runs"])
+    # hf ran the first 2 requests only; v2 timed the same 2 for the ratio.
+    assert hf["num_requests"] == 2 == v2["subset"]["num_requests"]
+    assert hf["output_tokens"] == v2["subset"]["output_tokens"] and hf["short_rows"] == 0
+    assert res["ratios"]["v2/hf"] == pytest.approx(
+        v2["subset"]["output_tok_s"] / hf["output_tok_s"])
+    assert res["roofline"]["decode"]["tok_s"] > 0
+    trace = json.loads(pathlib.Path(v2["profile_trace"]).read_text())
+    assert trace["traceEvents"], "empty profiler trace"
+
+
+def test_latency_tiny(tmp_path):
+    res = _run_cli(tmp_path, "latency", "--runner", "v2")
+    _check_header(res)
+    rows = res["runners"]["v2"]["batches"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["e2e_ms"] > 0 and r["tpot_ms"] is not None
+        assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["output_len"] - 1))
+    assert [r["batch"] for r in res["roofline"]["per_batch"]] == [1, 2]
+
+
+@pytest.mark.skipif(not HAS_V1, reason="mrv2.v1 (the V1-style baseline) does not exist yet")
+def test_throughput_tiny_v1(tmp_path):
+    res = _run_cli(tmp_path, "throughput", "--runner", "v1", "--workload", "host-bound")
+    v1 = res["runners"]["v1"]
+    assert "error" not in v1, v1.get("traceback")
+    assert v1["settings"]["runner"] == "v1" and v1["output_tok_s"] > 0
+    assert v1["output_tokens"] == res["workload_stats"]["output_tokens"]
+
+
+def test_failing_runner_is_an_error_row(tmp_path, monkeypatch):
+    def broken(spec, runner, sizes):
+        raise RuntimeError(f"runner {runner} cannot be built")
+
+    monkeypatch.setattr(llm_runs, "build_llm", broken)
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--tiny", "--runner", "v1", "--out", str(out)]) == 1
+    row = json.loads(out.read_text())["runners"]["v1"]
+    assert row["error"] == "RuntimeError: runner v1 cannot be built"
+
+
+def test_hf_baseline_same_weights_and_token_counts():
+    spec = llm_runs.ModelSpec(None)
+    model, info = hf_runs.build_hf_model(spec)
+    net, _ = __import__("mrv2.models.loader", fromlist=["load_model"]).load_model(None)
+    for name, t in net.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], t, rtol=0, atol=0)
+    assert info["weight_bytes"] == weight_bytes(net)
+    # Uneven outputs in one batch: every row runs to the longest, only requested ones count.
+    wl = random_workload("t", 3, (3, 9), (2, 5), info["vocab_size"], seed=1)
+    r = hf_runs.generate_timed(model, wl, batch_size=2)
+    assert r["output_tokens"] == wl.output_tokens and r["short_rows"] == 0
+    assert r["generated_tokens"] >= r["output_tokens"] and r["num_batches"] == 2
+
+
+def test_hf_key_mismatch_fails_loudly():
+    src, dst = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False)
+    with pytest.raises(ValueError, match="only in mrv2 \\['bias'\\]"):
+        hf_runs.copy_weights(src, dst)
+
+
+def test_roofline_arithmetic():
+    cfg = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, hidden_size=32, vocab_size=100)
+    # layers x (K, V) x H_kv x D x 4 bytes
+    assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 8 * 4
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 128
+    r = decode_roofline(1000, 256, batch=4, context=10, bandwidth_gbs=1.0)
+    assert r["bytes"] == 1000 + 256 * 4 * 10 == 11240
+    assert r["step_ms"] == pytest.approx(11240 / 1e9 * 1e3)
+    assert r["tok_s"] == pytest.approx(4 / (11240 / 1e9))
+    tied = torch.nn.Module()
+    tied.a, tied.b = torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(4, 3, bias=False)
+    tied.b.weight = tied.a.weight
+    assert weight_bytes(tied) == 4 * 3 * 4  # a shared weight counts once
+    assert copy_bandwidth("cpu", nbytes=1 << 16, iters=2)["bandwidth_gbs"] > 0
+
+
+def test_workloads_are_seeded_and_in_range():
+    a = make_workload("standard", 1000, seed=3)
+    b = make_workload("standard", 1000, seed=3)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens and a.num_requests == 256
+    assert all(100 <= n <= 1024 for n in a.input_lens + a.output_lens)
+    assert all(0 <= t < 1000 for p in a.prompts for t in p)
+    hb = make_workload("host-bound", 1000, input_len=5)
+    assert hb.num_requests == 1024 and set(hb.input_lens) == {5} and set(hb.output_lens) == {128}
+    assert all(sp.ignore_eos and sp.temperature == 0.6 for sp in a.sampling_params()[:3])
+
+
+def _synthetic(kind: str) -> dict:
+    roof = [{"batch": b, "context": 100, "step_ms": 1.0 + b / 100, "tok_s": b / (1e-3 + b / 1e5)}
+            for b in (1, 8, 32)]
+    if kind == "latency":
+        row = lambda b, s: {"batch_size": b, "ttft_ms": 5.0 * s + b, "tpot_ms": 2.0 * s + b / 10,
+                            "e2e_ms": 300.0, "output_len": 128}
+        return {"benchmark": "latency", "hardware": {"name": "H200"},
+                "runners": {"v2": {"batches": [row(b, 1) for b in (1, 8, 32)]},
+                            "v1": {"batches": [row(b, 2) for b in (1, 8, 32)]},
+                            "hf": {"error": "RuntimeError: boom"}},
+                "roofline": {"bandwidth_gbs": 4000.0, "per_batch": roof}}
+    sweep = [{"batch_size": b, "output_tok_s": 100.0 * b} for b in (1, 8, 32)]
+    tl = {"cpu_ms": {"schedule": 0.1, "prep": 0.3, "forward": 1.0, "output": 0.2},
+          "gpu_ms_per_step": 1.5}
+    return {"benchmark": "throughput", "workload": "standard", "hardware": {"name": "H200"},
+            "runners": {"v2": {"output_tok_s": 20000.0, "mean_step_ms": 9.0, "num_requests": 256,
+                               "sweep": sweep, "timeline": tl},
+                        "v1": {"output_tok_s": 14000.0, "mean_step_ms": 12.0, "num_requests": 256,
+                               "timeline": tl},
+                        "hf": {"output_tok_s": 3000.0, "mean_step_ms": 30.0, "num_requests": 64}},
+            "roofline": {"bandwidth_gbs": 4000.0, "sweep": roof,
+                         "decode": {"batch": 256, "context": 843, "step_ms": 6.1,
+                                    "tok_s": 42000.0}}}
+
+
+def test_plots_from_synthetic_results(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thr, lat = _synthetic("throughput"), _synthetic("latency")
+    assert len(plots.plot_throughput(thr).patches) == 3
+    assert plots.plot_roofline(thr).get_xscale() == "log"
+    assert plots.plot_step_split(thr) is not None
+    assert len(plots.plot_latency(lat)) == 2
+    assert plots.plot_roofline(lat).get_legend() is not None
+    path = tmp_path / "thr.json"
+    path.write_text(json.dumps(thr))
+    for src, name in ((path, "a.png"), (lat, "b.png")):
+        assert plots.save_plots(src, tmp_path / name).stat().st_size > 1000
+    plt.close("all")
+
+
+def test_ratios():
+    runners = {"v2": {"output_tok_s": 30.0, "subset": {"output_tok_s": 20.0}},
+               "v1": {"output_tok_s": 20.0}, "hf": {"output_tok_s": 10.0}}
+    assert suite.throughput_ratios(runners) == {"v2/v1": 1.5, "v2/hf": 2.0, "v1/hf": 2.0}
+    lat = _synthetic("latency")["runners"]
+    r = suite.latency_ratios(lat)
+    assert set(r) == {"v2/v1"} and r["v2/v1"]["tpot"]["1"] == pytest.approx(2.1 / 4.1)
+
+
+@pytest.mark.parametrize("kind", ["decode", "timeline"])
+def test_step_benchmarks_tiny(tmp_path, kind):
+    """``bench decode`` / ``bench timeline`` run end to end on the CPU (tiny sizes)."""
+    out = tmp_path / f"{kind}.json"
+    assert main(["bench", kind, "--tiny", "--plot", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["git_commit"] and data["meta"]["hardware"]
+    if kind == "decode":
+        assert all(ms > 0 for ms in data["eager"].values())
+    else:
+        for name in ("sync", "async"):
+            assert data[name]["output_tok_per_s"] > 0
+            assert {"schedule", "prep", "wait"} <= set(data[name]["summary"]["cpu_ms"])
+    assert out.with_suffix(".png").stat().st_size > 0
