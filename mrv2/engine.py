@@ -84,12 +84,16 @@ class Engine:
         if not sched.is_empty or sched.finished_req_ids:
             launched = (sched, self.runner.execute_model(sched))
             self.num_steps += not sched.is_empty
-        if self._timeline is not None:
-            self._timeline.next_step()
         if not self.async_scheduling:
-            return self._process(*launched) if launched is not None else []
-        previous, self._pending = self._pending, launched
-        return self._process(*previous) if previous is not None else []
+            finished = self._process(*launched) if launched is not None else []
+        else:
+            previous, self._pending = self._pending, launched
+            finished = self._process(*previous) if previous is not None else []
+        if self._timeline is not None:
+            # NOTE: one timeline step = one call; with async scheduling its wait/output
+            # spans process the launch of the call before.
+            self._timeline.next_step()
+        return finished
 
     def _process(self, sched: SchedulerOutput, output) -> list[Request]:
         """Wait for one step's output (its event only) and apply it to the requests."""

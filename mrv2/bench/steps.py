@@ -195,8 +195,8 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
     if kind == "decode":
         sizes = (1, 2) if tiny else tuple(batch_sizes)
         graphs = (False,) if not torch.cuda.is_available() else (True, False)
-        result = decode_step_times(kw, sizes, context=8 if tiny else 128, steps=2 if tiny else 64,
-                                   graphs=graphs, repeats=1 if tiny else 3)
+        result = decode_step_times(kw, sizes, context=8 if tiny else 128, steps=2 if tiny else 48,
+                                   graphs=graphs, repeats=1 if tiny else 2)
         for key in ("graphs", "eager"):
             if key in result:
                 print(f"{key:>7}: " + "  ".join(f"B={b}: {ms:.2f} ms" for b, ms in result[key].items()))
@@ -206,7 +206,8 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
         for name in ("sync", "async"):
             s = result[name]["summary"]
             print(f"{name:>5}: {result[name]['output_tok_per_s']:,.0f} output tok/s, GPU idle "
-                  f"{s.get('gpu_idle_fraction', float('nan')):.1%}, "
+                  f"{s.get('gpu_idle_fraction', float('nan')):.1%} between steps "
+                  f"({s.get('gpu_idle_fraction_incl_prep', float('nan')):.1%} with prep waits), "
                   f"{s.get('gpu_ms_per_step', float('nan')):.2f} ms/step")
     else:
         raise ValueError(f"kind must be 'decode' or 'timeline', got {kind!r}")
