@@ -11,15 +11,32 @@ See notebooks/01_qwen3_and_paged_kv.ipynb.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
+from mrv2.kernels.activation import silu_and_mul, silu_and_mul_ref
 from mrv2.kernels.attention import paged_attention
 from mrv2.kernels.kv_cache import write_kv_cache
+from mrv2.kernels.layernorm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
+from mrv2.platform import TRITON_INTERPRET
+
+#: Fused Triton kernels for the norms (+ residual add), q/k-norm + RoPE and SiLU * up.
+#: ``MRV2_FUSED_KERNELS=0`` turns them off (the torch references run instead).
+#: NOTE: off under Triton's interpreter, where a fused launch costs 3-10 ms against ~0.1 ms
+#: for the torch ops it replaces: tests/test_llm_e2e.py took 257 s with them, 179 s without.
+#: There their torch references (same numerics) stand in; tests/test_kernels_fused.py
+#: checks every kernel against its reference and runs this model through the kernels.
+FUSED_KERNELS: bool = not TRITON_INTERPRET and os.environ.get("MRV2_FUSED_KERNELS", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,14 @@ def rope_theta(config) -> float:
 
 
 class Qwen3RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in fp32.
+    """RMSNorm over the last dimension, computed in fp32 (one fused kernel).
 
     Args:
         hidden_size: size of the normalised (last) dimension.
         eps: added to the mean square before the reciprocal square root.
+
+    Forward: ``norm(x)``, or with a ``residual`` the residual-stream form
+    ``(norm(x + residual), x + residual)`` (see mrv2/kernels/layernorm.py).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -80,12 +100,14 @@ class Qwen3RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # NOTE: HF rounds to the input dtype BEFORE the weight product; we multiply in fp32
         # and round once (as vLLM does). Identical in fp32, slightly more accurate in bf16.
-        return (x32 * self.weight.float()).to(x.dtype)
+        if residual is None:
+            norm = rms_norm if FUSED_KERNELS else rms_norm_ref
+            return norm(x, self.weight, self.variance_epsilon)               # [T, hidden]
+        add_norm = fused_add_rms_norm if FUSED_KERNELS else fused_add_rms_norm_ref
+        return add_norm(x, residual, self.weight, self.variance_epsilon)
 
 
 class Qwen3RotaryEmbedding(nn.Module):
@@ -100,14 +122,8 @@ class Qwen3RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float):
         super().__init__()
         self.head_dim, self.max_position, self.theta = head_dim, max_position, theta
-        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
-
-    def _build(self, device: torch.device | None) -> torch.Tensor:
-        half = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device)  # [D/2]
-        inv_freq = 1.0 / (self.theta ** (half / self.head_dim))                     # [D/2]
-        t = torch.arange(self.max_position, dtype=torch.float, device=device)       # [P]
-        freqs = t[:, None] * inv_freq[None, :]                                      # [P, D/2]
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)                        # [P, D]
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_position, theta),
+                             persistent=False)
 
     def _apply(self, fn, recurse=True):
         # NOTE: Module.to(bf16) would round the cache and to_empty() would wipe it;
@@ -115,16 +131,19 @@ class Qwen3RotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         device = self.cos_sin_cache.device
         if device.type != "meta":
-            self.cos_sin_cache = self._build(device)
+            self.cos_sin_cache = build_cos_sin_cache(self.head_dim, self.max_position,
+                                                     self.theta, device)
         return self
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` by the angles of ``positions [T]``; fp32 math, x's dtype out."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
-        cos, sin = cos[:, None, :], sin[:, None, :]                       # [T, 1, D/2]
-        x1, x2 = x.float().chunk(2, dim=-1)                               # [T, H, D/2] each
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, H, D]
-        return out.to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: Qwen3RMSNorm | None = None, k_norm: Qwen3RMSNorm | None = None):
+        """Per-head q/k-norm (when given), then RoPE of ``q [T, H, D]`` and ``k [T, H_kv, D]``:
+        one launch for both (mrv2/kernels/rotary.py), fp32 math, input dtypes out."""
+        fn = qk_norm_rope if FUSED_KERNELS else qk_norm_rope_ref
+        if q_norm is None:
+            return fn(q, k, positions, self.cos_sin_cache)
+        return fn(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight,
+                  q_norm.variance_epsilon)
 
 
 class Qwen3Attention(nn.Module):
@@ -169,10 +188,9 @@ class Qwen3Attention(nn.Module):
         q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)     # [T, H, D]
         k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
         v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)   # per head, over D
-        rope = self._rotary[0]
-        q, k = rope(positions, q), rope(positions, k)
+        # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
+        norms = (self.q_norm, self.k_norm) if self.use_qk_norm else (None, None)
+        q, k = self._rotary[0](positions, q, k, *norms)                         # [T, H(_kv), D]
         # The new keys/values go into the cache first: attention reads prefix AND new tokens.
         write_kv_cache(k, v, self.kv_cache, md.slot_mapping)
         out = paged_attention(q, self.kv_cache, md, self.scale)                  # [T, H, D]
@@ -198,11 +216,17 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = silu_and_mul if FUSED_KERNELS else silu_and_mul_ref
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The residual stream ``x`` travels beside the hidden states and each add is fused into
+    the norm after it (vLLM's pattern): the input norm adds the previous layer's MLP
+    output, the post-attention norm the attention output, the model's final norm the last
+    MLP output.
 
     Args: as :class:`Qwen3Attention`.
     """
@@ -215,10 +239,16 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions,
-                                                       self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``; the first layer gets the embeddings and ``residual=None``."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class Qwen3Model(nn.Module):
@@ -242,9 +272,10 @@ class Qwen3Model(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # A ModelState hook may pass precomputed (e.g. multimodal) embeddings instead of ids.
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]  # [T, hidden]
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -1,0 +1,213 @@
+"""Per-head q/k RMSNorm and rotary position embedding, q and k in one launch.
+
+Between the q/k/v projections and attention, Qwen3 normalises every head of q and k
+(RMSNorm over ``head_dim``, the "q/k-norm") and then rotates it by its token's position
+(RoPE, rotate-half / GPT-NeoX layout). In torch that is two norms of ~8 kernels and two
+rotations of ~9 (gather cos/sin, split, four products, two sums, concatenate, cast).
+Every one of them is elementwise or a reduction over one head, so one program can do it
+all for one token: load each head of q and k once, normalise, rotate, store once.
+
+A head is a row of ``head_dim`` values split in two halves ``x1, x2``; with
+``cos, sin = cos_sin_cache[position]`` (``head_dim / 2`` each, fp32)::
+
+    out = concat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+Llama and Qwen2 have no q/k-norm: pass no weights and only the rotation runs.
+See notebooks/01_qwen3_and_paged_kv.ipynb.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mrv2.kernels.layernorm import rms_norm_ref, row_sum
+from mrv2.platform import TRITON_INTERPRET
+
+
+def build_cos_sin_cache(head_dim: int, max_position: int, theta: float,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """The fp32 ``[max_position, head_dim]`` table RoPE reads: ``cos`` | ``sin`` halves.
+
+    Args:
+        head_dim: rotated size (the whole head, even).
+        max_position: positions ``0 .. max_position - 1`` get a row.
+        theta: the RoPE base; pair ``i`` turns at frequency ``theta ** (-2i / head_dim)``.
+        device: where the table lives.
+    """
+    half = torch.arange(0, head_dim, 2, dtype=torch.float, device=device)       # [D/2]
+    inv_freq = 1.0 / (theta ** (half / head_dim))                               # [D/2]
+    t = torch.arange(max_position, dtype=torch.float, device=device)            # [P]
+    freqs = t[:, None] * inv_freq[None, :]                                      # [P, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)                        # [P, D]
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [T, H, D]`` by ``positions [T]``: fp32 math, ``x``'s dtype out."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)              # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]                       # [T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)                               # [T, H, D/2] each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
+                     k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch reference of :func:`qk_norm_rope` (the executable specification).
+
+    Args: as :func:`qk_norm_rope`.
+
+    Returns:
+        ``(q_out [T, H_q, D], k_out [T, H_kv, D])`` in the dtypes of ``q`` and ``k``.
+    """
+    outs = []
+    for x, w in ((q, q_weight), (k, k_weight)):
+        if w is not None:  # per head: a [T, H, D] tensor is [T * H] rows of D
+            x = rms_norm_ref(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+        outs.append(rope_ref(x, positions, cos_sin_cache))
+    return outs[0], outs[1]
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
+                     num_tokens, eps, stride_xt, stride_cp,
+                     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, USE_NORM: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One [BLOCK_R, BLOCK_HALF] tile: its rows are the heads of BLOCK_T tokens, its columns
+    # half a head, so x1 and x2 below are the two halves RoPE pairs up.
+    r = tl.arange(0, BLOCK_R)                                           # [BLOCK_R]
+    tok = pid * BLOCK_T + r // NUM_HEADS
+    row_ok = (r < BLOCK_T * NUM_HEADS) & (tok < num_tokens)
+    c = tl.arange(0, BLOCK_HALF)                                        # [BLOCK_HALF]
+    mask = row_ok[:, None] & (c < HALF)[None, :]                        # [BLOCK_R, BLOCK_HALF]
+
+    # Load both halves of every head (heads and dims are packed within a token).
+    src = x_ptr + (tok * stride_xt + (r % NUM_HEADS) * (2 * HALF))[:, None] + c[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+
+    # q/k-norm over the whole head, weight in fp32, then rounded to the input dtype as the
+    # unfused norm's output is before RoPE reads it.
+    if USE_NORM:
+        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    # The angles: cos and sin are the two halves of the token's cache row.
+    if BLOCK_T == 1:  # GPU: one token, one row of angles broadcast over its heads
+        cs = cos_sin_ptr + tl.load(positions_ptr + pid) * stride_cp + c[None, :]  # [1, BH]
+        cs_mask = (c < HALF)[None, :]
+    else:             # interpreter: each row gathers its own token's angles
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0)        # [BLOCK_R]
+        cs = cos_sin_ptr + pos[:, None] * stride_cp + c[None, :]        # [BLOCK_R, BLOCK_HALF]
+        cs_mask = mask
+    cos = tl.load(cs, mask=cs_mask, other=0.0)
+    sin = tl.load(cs + HALF, mask=cs_mask, other=0.0)
+
+    # Rotate and store into the contiguous output: row (token, head) is row r of this tile.
+    dst = out_ptr + (pid * (BLOCK_T * NUM_HEADS) + r)[:, None] * (2 * HALF) + c[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# NOTE: under the interpreter every call of a @triton.jit helper re-patches triton.language
+# (~1.5 ms a call); the kernel calls the helper's plain Python body there (see attention.py).
+_norm_rope_heads_body = _norm_rope_heads.rewrite() if TRITON_INTERPRET else _norm_rope_heads
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,   # inputs
+    q_out_ptr, k_out_ptr,                                                   # outputs
+    num_tokens, eps,                                                        # sizes
+    stride_qt, stride_kt, stride_cp,                                        # strides
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    USE_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_RQ: tl.constexpr,
+    BLOCK_RK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program, BLOCK_T tokens: first all their q heads, then all their k heads.
+    pid = tl.program_id(0)
+    _norm_rope_heads_body(q_ptr, q_out_ptr, q_weight_ptr, positions_ptr, cos_sin_ptr, pid,
+                          num_tokens, eps, stride_qt, stride_cp,
+                          NUM_Q_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RQ, BLOCK_HALF)
+    _norm_rope_heads_body(k_ptr, k_out_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr, pid,
+                          num_tokens, eps, stride_kt, stride_cp,
+                          NUM_KV_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RK, BLOCK_HALF)
+
+
+def _check(q, k, positions, cos_sin_cache, q_weight, k_weight) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H_q, D] "
+                         "and [T, H_kv, D]")
+    d = q.shape[2]
+    if d % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d:
+        raise ValueError(f"head_dim {d} must be even and cos_sin_cache [max_position, {d}], "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions must be [{q.shape[0]}], got {tuple(positions.shape)}")
+    if (q_weight is None) != (k_weight is None) or \
+            (q_weight is not None and (q_weight.shape != (d,) or k_weight.shape != (d,))):
+        raise ValueError(f"q_weight and k_weight must both be [{d}] or both None")
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # The kernel needs heads and dims packed within a token; a token stride is free.
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
+                 k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (optional) then RoPE of q and k, in one kernel launch (Triton).
+
+    Args:
+        q: ``[T, H_q, D]`` queries; any token stride (e.g. a view of a fused projection),
+            heads and dims packed (otherwise copied first).
+        k: ``[T, H_kv, D]`` keys, same rules.
+        positions: ``[T]`` integer absolute positions, ``0 <= p < max_position``
+            (not checked on the device: no host sync).
+        cos_sin_cache: ``[max_position, D]`` fp32, ``cos`` in the first half, ``sin`` in
+            the second (``Qwen3RotaryEmbedding.cos_sin_cache``).
+        q_weight: ``[D]`` q-norm weight, or ``None`` for no q/k-norm (Llama, Qwen2).
+        k_weight: ``[D]`` k-norm weight; ``None`` exactly when ``q_weight`` is.
+        eps: the norms' epsilon.
+
+    Returns:
+        ``(q_out, k_out)``: new contiguous tensors shaped and typed as ``q`` and ``k``.
+    """
+    _check(q, k, positions, cos_sin_cache, q_weight, k_weight)
+    q, k = _rows_contiguous(q), _rows_contiguous(k)
+    cos_sin_cache = cos_sin_cache.contiguous()          # a no-op for the model's buffer
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:                                  # an empty batch launches nothing
+        return q_out, k_out
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    if TRITON_INTERPRET:
+        # NOTE: the interpreter pays per program and per op: many tokens per program.
+        per_token = triton.next_power_of_2(num_q_heads) * block_half
+        block_t, num_warps = max(1, min(num_tokens, 16384 // per_token)), 1
+    else:  # one token per program: its q heads, then its k heads, as [heads, D / 2] tiles
+        block_t = 1
+        num_warps = min(max(triton.next_power_of_2(num_q_heads) * block_half // 256, 1), 8)
+    use_norm = q_weight is not None
+    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
+        q, k, q_weight if use_norm else q, k_weight if use_norm else k, positions,
+        cos_sin_cache,
+        q_out, k_out,
+        num_tokens, eps,
+        q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, USE_NORM=use_norm,
+        BLOCK_T=block_t, BLOCK_RQ=triton.next_power_of_2(block_t * num_q_heads),
+        BLOCK_RK=triton.next_power_of_2(block_t * num_kv_heads), BLOCK_HALF=block_half,
+        num_warps=num_warps,
+    )
+    return q_out, k_out
