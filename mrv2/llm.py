@@ -77,6 +77,8 @@ class LLM:
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
         runner = _pick_runner(runner)
+        if model_state_cls is not None and runner != "v2":
+            raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
         self.runner_name, self.async_scheduling = runner, bool(async_scheduling)

@@ -155,6 +155,8 @@ def test_model_state_test_double_changes_outputs_exactly_as_expected():
     expected = _ids(ref.generate(prompts, sp, use_tqdm=False))
     assert via_state == expected
     assert via_state != plain
+    with pytest.raises(ValueError, match="model_state_cls needs the V2 runner"):
+        LLM(model_state_cls=_OffsetEmbedding, runner="v1", **kw)
 
 
 # -- CUDA-graph bookkeeping (capture itself runs in tests/test_gpu_async.py) ---------------
