@@ -26,7 +26,7 @@ import contextlib
 import numpy as np
 import torch
 
-from mrv2.async_output import AsyncOutput, StepOutput  # noqa: F401  (StepOutput: re-export)
+from mrv2.async_output import AsyncOutput
 from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes

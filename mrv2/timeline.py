@@ -23,6 +23,7 @@ CPU spans are recorded. See notebooks/07_async_streams.ipynb.
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 
@@ -72,13 +73,13 @@ class Timeline:
     def next_step(self) -> None:
         self.step += 1
 
-    def finalize(self) -> "Timeline":
+    def finalize(self) -> Timeline:
         """Wait for the GPU, then convert the marks into GPU spans (ms since the origin)."""
         if self.use_cuda and self._marks:
             torch.cuda.synchronize()
             times = [(s, n, self._origin.elapsed_time(ev)) for s, n, ev in self._marks]
             self.gpu_spans = [(s, n, t, t_next) for (s, n, t), (s2, _, t_next)
-                              in zip(times, times[1:]) if s == s2 and n != "end"]
+                              in itertools.pairwise(times) if s == s2 and n != "end"]
             self._marks = []
         return self
 

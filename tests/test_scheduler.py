@@ -40,7 +40,7 @@ def _simulate(seed: int, steps: int = 400, async_scheduling: bool = False):
     sched = Scheduler(cfg, kv)
     reqs, n_next, preempted_seen = {}, 0, 0
     pending = None
-    token = lambda: rng.randrange(100)  # noqa: E731
+    token = lambda: rng.randrange(100)
 
     def step():
         nonlocal pending

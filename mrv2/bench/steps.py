@@ -201,7 +201,7 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
             if key in result:
                 print(f"{key:>7}: " + "  ".join(f"B={b}: {ms:.2f} ms" for b, ms in result[key].items()))
     elif kind == "timeline":
-        args = dict(num_requests=4, input_len=8, output_len=6, window=(0, 6)) if tiny else {}
+        args = {"num_requests": 4, "input_len": 8, "output_len": 6, "window": (0, 6)} if tiny else {}
         result = async_timelines(kw, **args)
         for name in ("sync", "async"):
             s = result[name]["summary"]

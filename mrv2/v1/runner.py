@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mrv2.async_output import StepOutput
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
-from mrv2.runner import StepOutput
 from mrv2.sampling_params import SamplingParams
 from mrv2.scheduler import SchedulerOutput
 from mrv2.v1.input_batch import InputBatch
