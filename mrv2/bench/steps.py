@@ -15,13 +15,11 @@ Run through ``python -m mrv2 bench decode|timeline``; results go to
 
 from __future__ import annotations
 
-import gc
-import time
-
 import numpy as np
 import torch
 
 from mrv2 import LLM, SamplingParams
+from mrv2.bench.timing import free_device_memory, timed
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -30,20 +28,8 @@ def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
 
 
 def _timed_generate(llm: LLM, prompts, sp) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
-def _free(llm) -> None:
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Seconds of one ``llm.generate`` between two device syncs."""
+    return timed(lambda: llm.generate(prompts, sp, use_tqdm=False))[1]
 
 
 def decode_step_times(llm_kwargs: dict, batch_sizes=(1, 64, 256), context: int = 128,
@@ -77,7 +63,8 @@ def decode_step_times(llm_kwargs: dict, batch_sizes=(1, 64, 256), context: int =
                    / steps * 1e3 for _ in range(repeats)]
             times[b] = float(np.median(per))
         out["graphs" if use_graphs else "eager"] = times
-        _free(llm)
+        del llm  # NOTE: the last reference: only then can its memory go back
+        free_device_memory()
     if "graphs" in out and "eager" in out:
         out["speedup"] = {b: out["eager"][b] / out["graphs"][b] for b in batch_sizes}
     return out
@@ -116,7 +103,8 @@ def async_timelines(llm_kwargs: dict, num_requests: int = 256, input_len: int = 
                      "output_tok_per_s": num_requests * output_len / wall,
                      "cpu": [d for d in data["cpu"] if lo <= d["step"] < hi],
                      "gpu": [d for d in data["gpu"] if lo <= d["step"] < hi]}
-        _free(llm)
+        del llm  # NOTE: the last reference: only then can its memory go back
+        free_device_memory()
     return out
 
 
