@@ -118,8 +118,7 @@ class BlockTables:
             meta[i] = (row, first, len(ids), starts[i])
             tail[starts[i]:starts[i] + len(ids)] = ids
         self._staged.clear()
-        apply_block_writes(to_device_async(packed, self.device), n, self.block_table,
-                           max_ids_per_row=int(lens.max()))
+        apply_block_writes(to_device_async(packed, self.device), n, self.block_table)
 
     def gather_block_tables(self, idx_mapping: torch.Tensor, num_reqs: int) -> torch.Tensor:
         """Gather the rows of this step's requests into the static input table.

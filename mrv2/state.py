@@ -222,5 +222,4 @@ class RequestStateTable:
             num_computed_tokens=self.num_computed_tokens,
             last_sampled_token=self.last_sampled_token, top_k=self.top_k,
             float_params=self.float_params, seed=self.seed,
-            max_tokens_per_row=int(lens.max()),
         )

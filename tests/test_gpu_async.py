@@ -117,3 +117,26 @@ def test_v1_baseline_graphs_equal_eager_and_v2():
         outs[(runner, eager)] = [o.outputs[0].token_ids for o in
                                  llm.generate(inputs, sp, use_tqdm=False)]
     assert outs[("v1", False)] == outs[("v1", True)] == outs[("v2", False)]
+
+
+def test_new_batch_sizes_and_lengths_compile_no_kernel():
+    """Batch sizes and prompt lengths never seen before reuse the compiled kernels: the
+    size arguments of the step's kernels are not specialised on (``do_not_specialize``)
+    and their blocks are fixed, so nothing compiles inside a timed run."""
+    from mrv2.bench.timing import count_triton_compiles
+
+    llm = LLM(DEFAULT_MODEL_DIR, max_model_len=128, max_num_seqs=64, seed=0)
+    vocab = llm.hf_config.vocab_size
+
+    def run(seed, n, lo, hi, max_tokens):
+        params = [SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True)] * n
+        return llm.generate(_prompts(seed, n, vocab, lo, hi), params, use_tqdm=False)
+
+    # Warm-up: 3 requests with 20-29-token prompts (the attention's prefill and decode
+    # launch configurations), ending at batch 1.
+    run(0, 3, 20, 30, 4)
+    with count_triton_compiles() as compiled:
+        run(1, 37, 17, 60, 9)   # 37 requests (odd, then 36, 33 ...), longer prompts
+        run(2, 16, 33, 34, 3)   # a batch divisible by 16, 33-token prompts
+        run(3, 1, 1, 2, 2)      # a single one-token prompt
+    assert compiled == [], f"compiled inside the runs: {sorted(set(compiled))}"

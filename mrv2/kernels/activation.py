@@ -31,7 +31,7 @@ def silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(
     gate_ptr, up_ptr,                             # inputs
     out_ptr,                                      # output (contiguous)

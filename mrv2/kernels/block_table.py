@@ -17,6 +17,14 @@ import triton.language as tl
 NUM_WRITE_META = 4  # (row, first column, number of ids, start in the flat ids)
 
 
+#: Lanes per loop iteration of the copy loops. NOTE: a fixed block, not one sized to
+#: the data: every distinct constexpr (and every int argument Triton specialises on,
+#: ==1 or divisible by 16) is a separate compiled kernel, and a compile met for the
+#: first time mid-run costs ~0.3 s of that run. The sizes are listed in
+#: ``do_not_specialize`` for the same reason.
+COPY_BLOCK = 1024
+
+
 def _block(n: int, cap: int = 1024) -> int:
     """A power-of-two block covering ``n`` in one pass when it can (few programs)."""
     return min(cap, triton.next_power_of_2(max(n, 16)))
@@ -24,7 +32,7 @@ def _block(n: int, cap: int = 1024) -> int:
 
 # --- Staged writes: append or overwrite block ids of some rows (one launch) -------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_staged"])
 def _apply_block_writes_kernel(
     packed_ptr,                       # inputs: int32 [n * NUM_META + L]
     block_table_ptr,                  # outputs: int32 [R, max_blocks]
@@ -46,8 +54,7 @@ def _apply_block_writes_kernel(
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def apply_block_writes(packed: torch.Tensor, num_staged: int, block_table: torch.Tensor,
-                       max_ids_per_row: int) -> None:
+def apply_block_writes(packed: torch.Tensor, num_staged: int, block_table: torch.Tensor) -> None:
     """Write ``num_staged`` packed (row, column, ids) runs into ``block_table``.
 
     Args:
@@ -56,18 +63,17 @@ def apply_block_writes(packed: torch.Tensor, num_staged: int, block_table: torch
             (``start`` indexes that flat tail).
         num_staged: staged rows (a CPU int); 0 launches nothing.
         block_table: int32 ``[R, max_blocks]``, written in place.
-        max_ids_per_row: the longest run (sizes the copy block).
     """
     if num_staged == 0:
         return
     _apply_block_writes_kernel[(num_staged,)](
         packed, block_table, num_staged, block_table.stride(0),
-        NUM_META=NUM_WRITE_META, BLOCK=_block(max_ids_per_row))
+        NUM_META=NUM_WRITE_META, BLOCK=COPY_BLOCK)
 
 
 # --- Gather: the static input block table of one step ------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _gather_block_tables_kernel(
     idx_mapping_ptr, block_table_ptr,     # inputs
     out_ptr,                              # outputs
@@ -124,7 +130,7 @@ def gather_block_tables_ref(idx_mapping: torch.Tensor, num_reqs: int,
 
 # --- Slot mapping: the KV-cache slot of every new token ----------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens_padded"])
 def _compute_slot_mappings_kernel(
     idx_mapping_ptr, query_start_loc_ptr, positions_ptr, block_table_ptr,  # inputs
     slot_mapping_ptr,                                                       # outputs
@@ -178,7 +184,7 @@ def compute_slot_mappings(idx_mapping: torch.Tensor, query_start_loc: torch.Tens
     _compute_slot_mappings_kernel[(num_reqs + 1,)](
         idx_mapping, query_start_loc, positions, block_table, out,
         num_reqs, num_tokens_padded, block_table.shape[1], block_size,
-        block_table.stride(0), BLOCK=_block(num_tokens_padded))
+        block_table.stride(0), BLOCK=COPY_BLOCK)
     return out[:num_tokens_padded]
 
 

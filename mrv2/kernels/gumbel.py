@@ -262,7 +262,7 @@ def _words_to_gumbel(hi, lo):
     return -_logf(e)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_noise_kernel(
     seed_ptr, pos_ptr,                      # inputs
     noise_ptr,                              # outputs
@@ -322,7 +322,7 @@ def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int, *,
 
 # --- Gumbel-max sampling ------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_block_argmax_kernel(
     logits_ptr, idx_mapping_ptr, temperature_ptr, seed_ptr, pos_ptr,    # inputs
     block_max_ptr, block_idx_ptr, out_ptr,                               # outputs
@@ -364,7 +364,7 @@ def _gumbel_block_argmax_kernel(
         tl.store(block_idx_ptr + part, best_idx, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _argmax_reduce_kernel(
     block_max_ptr, block_idx_ptr,            # inputs
     out_ptr,                                 # outputs

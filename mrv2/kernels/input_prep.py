@@ -19,13 +19,16 @@ import triton
 import triton.language as tl
 
 
-def _block(n: int, cap: int = 1024) -> int:
-    return min(cap, triton.next_power_of_2(max(n, 16)))
+#: Lanes per loop iteration. NOTE: fixed, not sized to the batch: each distinct
+#: constexpr (and each int argument Triton specialises on: ==1, divisible by 16) is
+#: one more compiled kernel, met for the first time mid-run (~0.3 s of that run).
+#: The size arguments are in ``do_not_specialize`` for the same reason.
+BLOCK = 1024
 
 
 # --- prepare_inputs ---------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_reqs_padded", "num_tokens_padded"])
 def _prepare_inputs_kernel(
     idx_mapping_ptr, num_scheduled_ptr, token_ids_ptr, num_computed_ptr,    # inputs
     query_start_loc_ptr, seq_lens_ptr, input_ids_ptr, positions_ptr,        # outputs
@@ -100,7 +103,7 @@ def prepare_inputs(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Tensor
         query_start_loc, seq_lens, input_ids, positions, logits_indices,
         num_reqs, num_reqs_padded, num_tokens_padded, state.token_ids.shape[1],
         state.token_ids.stride(0),
-        BLOCK_B=_block(num_reqs), BLOCK_T=_block(num_tokens_padded))
+        BLOCK_B=BLOCK, BLOCK_T=BLOCK)
 
 
 class PreparedInputs(NamedTuple):
@@ -144,7 +147,7 @@ def prepare_inputs_ref(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Te
 
 # --- post_update --------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _post_update_kernel(
     idx_mapping_ptr, num_scheduled_ptr, sampled_ptr,                 # inputs
     token_ids_ptr, num_computed_ptr, total_len_ptr, last_sampled_ptr,  # outputs (in place)
@@ -182,12 +185,11 @@ def post_update(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Tensor,
     """
     if num_reqs == 0:
         return
-    block = min(1024, triton.next_power_of_2(max(num_reqs, 16)))
-    _post_update_kernel[(triton.cdiv(num_reqs, block),)](
+    _post_update_kernel[(triton.cdiv(num_reqs, BLOCK),)](
         idx_mapping, num_scheduled_tokens, sampled_token_ids,
         state.token_ids, state.num_computed_tokens, state.total_len,
         state.last_sampled_token, num_reqs, state.token_ids.shape[1],
-        state.token_ids.stride(0), BLOCK=block)
+        state.token_ids.stride(0), BLOCK=BLOCK)
 
 
 def post_update_ref(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Tensor,

@@ -50,7 +50,7 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_cache_kernel(
     key_ptr, value_ptr, slot_mapping_ptr,   # inputs
     kv_cache_ptr,                           # output (written in place)

@@ -67,7 +67,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_ref(residual, weight, eps), residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr,                    # inputs
     out_ptr, residual_out_ptr,                          # outputs

@@ -61,7 +61,7 @@ def _prep(logits: torch.Tensor) -> torch.Tensor:
 
 # --- row_logsumexp ----------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _lse_partial_kernel(
     logits_ptr,                     # inputs
     max_ptr, sumexp_ptr,            # outputs: [N, S] partial max and sum of exp(x - max)
@@ -153,7 +153,7 @@ def gather_logprobs_ref(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.
 
 # --- token_ranks ------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rank_partial_kernel(
     logits_ptr, token_ids_ptr,      # inputs
     count_ptr,                      # output: [N, S] logits strictly above the token's

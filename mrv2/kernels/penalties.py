@@ -33,7 +33,7 @@ def _block(n: int, cap: int = 1024) -> int:
 
 # --- staged writes ------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_staged"])
 def _penalty_writes_kernel(
     packed_ptr,                                  # inputs
     prompt_mask_ptr, output_counts_ptr,          # outputs
@@ -108,7 +108,7 @@ def apply_penalty_writes_ref(staged: list[tuple[int, list[int], list[int]]],
 
 # --- counting the appended tokens ------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])
 def _update_counts_kernel(
     idx_mapping_ptr, num_scheduled_ptr, sampled_ptr, num_computed_ptr, total_len_ptr,  # in
     output_counts_ptr,                                                               # out
@@ -149,7 +149,7 @@ def update_output_counts(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.
     """
     if num_reqs == 0:
         return
-    block = _block(num_reqs)
+    block = 1024  # NOTE: fixed: a batch-sized block would compile a variant per size
     _update_counts_kernel[(triton.cdiv(num_reqs, block),)](
         idx_mapping, num_scheduled_tokens, sampled_token_ids,
         state.num_computed_tokens, state.total_len, output_counts,

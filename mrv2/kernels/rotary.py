@@ -119,7 +119,7 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
 _norm_rope_heads_body = _norm_rope_heads.rewrite() if TRITON_INTERPRET else _norm_rope_heads
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,   # inputs
     q_out_ptr, k_out_ptr,                                                   # outputs

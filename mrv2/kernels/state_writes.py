@@ -30,7 +30,12 @@ FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty")
 
 
-@triton.jit
+#: Lanes per iteration of the token copy: fixed, so one compiled variant serves every
+#: prompt length (see ``mrv2/kernels/block_table.py``'s ``COPY_BLOCK``).
+COPY_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["num_staged"])
 def _apply_state_writes_kernel(
     packed_ints_ptr, packed_floats_ptr, packed_seeds_ptr,            # inputs
     token_ids_ptr, prompt_len_ptr, prefill_len_ptr, total_len_ptr,  # outputs
@@ -76,7 +81,7 @@ def apply_state_writes(packed_ints: torch.Tensor, packed_floats: torch.Tensor,
                        prefill_len: torch.Tensor, total_len: torch.Tensor,
                        num_computed_tokens: torch.Tensor, last_sampled_token: torch.Tensor,
                        top_k: torch.Tensor, float_params: torch.Tensor,
-                       seed: torch.Tensor, max_tokens_per_row: int) -> None:
+                       seed: torch.Tensor) -> None:
     """Scatter ``num_staged`` packed rows into the state table (one launch).
 
     Args:
@@ -85,11 +90,9 @@ def apply_state_writes(packed_ints: torch.Tensor, packed_floats: torch.Tensor,
         packed_seeds: int64 ``[num_staged]``.
         num_staged: staged rows (a CPU int); 0 launches nothing.
         token_ids ... seed: the table's device tensors, written in place.
-        max_tokens_per_row: the longest staged token list (sizes the copy block).
     """
     if num_staged == 0:
         return
-    block = min(1024, triton.next_power_of_2(max(max_tokens_per_row, 16)))
     _apply_state_writes_kernel[(num_staged,)](
         packed_ints, packed_floats, packed_seeds,
         token_ids, prompt_len, prefill_len, total_len,
@@ -97,7 +100,7 @@ def apply_state_writes(packed_ints: torch.Tensor, packed_floats: torch.Tensor,
         num_staged,
         token_ids.stride(0), float_params.stride(0),
         NUM_META=NUM_META, NUM_FLOATS=len(FLOAT_PARAMS),
-        BLOCK_F=triton.next_power_of_2(len(FLOAT_PARAMS)), BLOCK=block,
+        BLOCK_F=triton.next_power_of_2(len(FLOAT_PARAMS)), BLOCK=COPY_BLOCK,
     )
 
 
