@@ -109,6 +109,36 @@ def test_llama_and_qwen2_modes_match_hf(tmp_path, kind, kw):
     assert_matches_hf(hf, reqs)
 
 
+@pytest.mark.parametrize("kind,kw", [("qwen3", {}), ("llama", {"attention_bias": True,
+                                                            "mlp_bias": True})])
+def test_packed_projections_are_views_of_one_gemm(kind, kw):
+    """q/k/v and gate/up are views of one matrix each, through to(), loading and init."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_config(kind, tie=False, **kw))
+    model = model.to(torch.float64)  # NOTE: a conversion re-packs (Module._apply)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    for packed, group in ((attn._packed["qkv"], (attn.q_proj, attn.k_proj, attn.v_proj)),
+                          (mlp._packed["gate_up"], (mlp.gate_proj, mlp.up_proj))):
+        weight, bias = packed
+        assert weight.dtype == torch.float64
+        assert weight.shape == (sum(m.out_features for m in group), group[0].in_features)
+        assert (bias is None) == (group[0].bias is None)
+        # Writing a parameter (as the loader does) writes the packed matrix.
+        with torch.no_grad():
+            for m in group:
+                m.weight.normal_()
+                if m.bias is not None:
+                    m.bias.normal_()
+        x = torch.randn(5, group[0].in_features, dtype=torch.float64)
+        one_gemm = torch.nn.functional.linear(x, weight, bias)            # [5, sum out]
+        separate = torch.cat([m(x) for m in group], dim=-1)
+        torch.testing.assert_close(one_gemm, separate)
+    # Hugging Face's names and shapes are kept: the state dict is unchanged.
+    names = dict(model.named_parameters())
+    assert names["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
+    assert "model.layers.0.mlp.up_proj.weight" in names
+
+
 def test_padding_tokens_and_rows_change_nothing(tmp_path):
     """CUDA-graph style padding: slot -1 tokens and seq_len-0 rows after the real ones."""
     config = tiny_config("qwen3")

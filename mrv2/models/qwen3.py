@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
@@ -84,6 +85,54 @@ def rope_theta(config) -> float:
     return float(theta)
 
 
+def pack_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack linears that read the same input into one matrix (one GEMM for all of them).
+
+    The returned weight's row blocks *are* the linears' parameters afterwards (each
+    ``weight`` becomes a view of it), so the modules keep Hugging Face's names and
+    shapes (loading stays a name map, ``q_proj.weight`` is still ``[H * D, hidden]``)
+    while ``F.linear(x, weight, bias)`` computes ``[q | k | v]`` in a single launch.
+
+    Args:
+        linears: ``nn.Linear`` modules with the same ``in_features``, all with or all
+            without a bias.
+
+    Returns:
+        ``(weight [sum of out_features, in_features], bias [sum] or None)``.
+    """
+    weight = torch.cat([m.weight.detach() for m in linears])              # [sum out, in]
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([m.bias.detach() for m in linears]) if has_bias else None  # [sum out]
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = nn.Parameter(weight[start:end], requires_grad=m.weight.requires_grad)
+        if has_bias:
+            m.bias = nn.Parameter(bias[start:end], requires_grad=m.bias.requires_grad)
+        start = end
+    return weight, bias
+
+
+class _PackedLinears(nn.Module):
+    """Base of the modules whose projections run as one packed GEMM (see ``pack_linears``).
+
+    NOTE: ``Module.to()`` / ``to_empty()`` give every parameter new storage, which would
+    silently unpack the views: ``_apply`` re-packs after each such conversion.
+    """
+
+    def _packed_groups(self) -> dict[str, tuple[nn.Linear, ...]]:
+        raise NotImplementedError
+
+    def _pack(self) -> None:
+        self._packed = {name: pack_linears(*group)
+                        for name, group in self._packed_groups().items()}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._pack()
+        return self
+
+
 class Qwen3RMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in fp32 (one fused kernel).
 
@@ -146,8 +195,11 @@ class Qwen3RotaryEmbedding(nn.Module):
                   q_norm.variance_epsilon)
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(_PackedLinears):
     """GQA self-attention over the paged KV cache of this layer.
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` are views of one packed matrix: one GEMM
+    computes all three (``pack_linears``).
 
     Args:
         config: a Hugging Face Qwen3/Llama/Qwen2 config.
@@ -179,15 +231,20 @@ class Qwen3Attention(nn.Module):
         self._rotary = [rotary_emb]
         # [2, num_blocks, block_size, H_kv, D], bound by bind_kv_cache(); not a buffer.
         self.kv_cache: torch.Tensor | None = None
+        self._pack()
+
+    def _packed_groups(self):
+        return {"qkv": (self.q_proj, self.k_proj, self.v_proj)}
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call bind_kv_cache(model, kv_caches) first")
         md = get_attn_metadata()
         T = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)     # [T, H, D]
-        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(hidden_states, *self._packed["qkv"])           # [T, (H + 2 H_kv) D]
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)       # views, token stride
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
         norms = (self.q_norm, self.k_norm) if self.use_qk_norm else (None, None)
         q, k = self._rotary[0](positions, q, k, *norms)                         # [T, H(_kv), D]
@@ -197,8 +254,10 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))      # [T, hidden]
 
 
-class Qwen3MLP(nn.Module):
+class Qwen3MLP(_PackedLinears):
     """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    ``gate_proj`` and ``up_proj`` are views of one packed matrix (one GEMM).
 
     Args:
         config: a Hugging Face config (``hidden_size``, ``intermediate_size``, ``mlp_bias``).
@@ -214,10 +273,16 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self._pack()
+
+    def _packed_groups(self):
+        return {"gate_up": (self.gate_proj, self.up_proj)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = silu_and_mul if FUSED_KERNELS else silu_and_mul_ref
-        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+        gate_up = F.linear(x, *self._packed["gate_up"])                     # [T, 2 * inter]
+        gate, up = gate_up.chunk(2, dim=-1)                                  # [T, inter] views
+        return self.down_proj(act(gate, up))
 
 
 class Qwen3DecoderLayer(nn.Module):
