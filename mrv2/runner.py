@@ -200,14 +200,20 @@ class ModelRunner:
         meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
                                 needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
         idx_mapping = batch.idx_mapping[:num_reqs]
-        logits = logits.float()
         max_logprobs = int(self._row_logprobs[rows].max())
+        biased = self.logit_bias.any_active(rows)
+        penalized = bool(self._row_penalized[rows].any())
+        # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
+        # reading bf16 and converting in registers) skips a [B, V] fp32 copy.
+        if (max_logprobs >= 0 or biased or penalized or self.logits_processors
+                or meta.needs_top_k_top_p):
+            logits = logits.float()                                            # [B, V]
         # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
         raw = logits.clone() if max_logprobs >= 0 else logits
         # Logit rules, in place: bias / allowed ids / min_tokens, penalties, processors.
-        if self.logit_bias.any_active(rows):
+        if biased:
             self.logit_bias.apply(logits, idx_mapping, self.state)
-        if self._row_penalized[rows].any():
+        if penalized:
             self.penalties.apply(logits, idx_mapping, self.state)
         logits = apply_logits_processors(self.logits_processors, logits, idx_mapping, self.state)
         # The sampled token sits at position seq_len (just after the step's last token).

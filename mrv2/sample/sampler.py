@@ -75,8 +75,9 @@ class Sampler:
         """Sample one token per row.
 
         Args:
-            logits: ``[B, V]`` float32 logits of the rows that sample (masked in place
-                by top-k / top-p / min-p when a row uses them).
+            logits: ``[B, V]`` logits of the rows that sample: float32 when a row uses
+                top-k / top-p / min-p (masked in place), else float32 or the model's
+                dtype (the kernels convert to fp32 in registers: the same ids).
             idx_mapping: ``[B]`` batch slot -> state-table row.
             state: the ``RequestStateTable`` (per-row temperature, top-k/p, min-p, seed).
             positions: ``[B]`` absolute position of the token each row samples.
