@@ -41,6 +41,7 @@ def test_throughput_tiny_v2_and_hf(tmp_path):
     assert v2["output_tokens"] == wl["output_tokens"] and v2["output_tok_s"] > 0
     assert v2["steps"] > 0 and v2["mean_step_ms"] > 0 and v2["num_requests"] == 4
     assert len(v2["runs"]) == 2 and v2["wall_s"] == min(r["wall_s"] for r in v2["runs"])
+    assert v2["triton_compiles"] == 0  # the interpreter compiles nothing; recorded anyway
     # hf ran the first 2 requests only; v2 timed the same 2 for the ratio.
     assert hf["num_requests"] == 2 == v2["subset"]["num_requests"]
     assert hf["output_tokens"] == v2["subset"]["output_tokens"] and hf["short_rows"] == 0
@@ -60,6 +61,32 @@ def test_latency_tiny(tmp_path):
         assert r["ttft_ms"] > 0 and r["e2e_ms"] > 0 and r["tpot_ms"] is not None
         assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["output_len"] - 1))
     assert [r["batch"] for r in res["roofline"]["per_batch"]] == [1, 2]
+
+
+def test_compile_counter_hooks_triton_and_restores_the_previous_hook():
+    """``count_triton_compiles`` sees every call of Triton's cache-miss hook, chains to
+    the hook installed before it, and puts that hook back on exit."""
+    from triton import knobs
+
+    from mrv2.bench.timing import count_triton_compiles
+
+    seen = []
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        outer = knobs.runtime.jit_cache_hook
+        with count_triton_compiles() as names:
+            for kernel in ("_prepare_inputs_kernel", "_post_update_kernel"):
+                # What Triton's JITFunction does on a miss, just before compiling.
+                assert not knobs.runtime.jit_cache_hook(fn=types.SimpleNamespace(name=kernel),
+                                                        key=None, repr="", compile={},
+                                                        is_manual_warmup=False,
+                                                        already_compiled=False)
+        assert names == ["_prepare_inputs_kernel", "_post_update_kernel"]
+        assert seen == names  # chained
+        assert knobs.runtime.jit_cache_hook is outer  # restored
+    finally:
+        knobs.runtime.jit_cache_hook = before
 
 
 @pytest.mark.skipif(not HAS_V1, reason="mrv2.v1 (the V1-style baseline) does not exist yet")

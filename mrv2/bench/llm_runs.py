@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from mrv2.bench.timing import throughput_figures, timed
+from mrv2.bench.timing import count_triton_compiles, throughput_figures, timed
 from mrv2.bench.workloads import Workload
 
 
@@ -61,13 +61,19 @@ def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
     """One timed ``llm.generate`` of the workload (no progress bar: it costs host time).
 
     Returns:
-        ``throughput_figures`` of the run (output tokens counted from the outputs).
+        ``throughput_figures`` of the run (output tokens counted from the outputs), and
+        ``triton_compiles``: kernel variants compiled inside the timed run (should be 0).
     """
     steps0 = llm.engine.num_steps
     requests, params = wl.requests(), wl.sampling_params(max_tokens)  # built before the clock
-    outs, wall = timed(lambda: llm.generate(requests, params, use_tqdm=False))
+    with count_triton_compiles() as compiled:
+        outs, wall = timed(lambda: llm.generate(requests, params, use_tqdm=False))
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return throughput_figures(wall, n_out, llm.engine.num_steps - steps0)
+    res = throughput_figures(wall, n_out, llm.engine.num_steps - steps0)
+    res["triton_compiles"] = len(compiled)
+    if compiled:
+        res["compiled_kernels"] = sorted(set(compiled))
+    return res
 
 
 def warm_up(llm, wl: Workload, num_requests: int, max_tokens: int) -> float:
@@ -196,7 +202,7 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
     if repeats > 1:
         res["runs"] = runs
     log(f"[bench] {runner}: {res['output_tok_s']:,.1f} output tok/s ({res['wall_s']:.2f} s, "
-        f"{res['steps']} steps)")
+        f"{res['steps']} steps, {res['triton_compiles']} Triton compiles inside)")
     extras = []  # (key in the JSON, what to run), all on the same LLM
     if subset is not None:
         extras.append(("subset", lambda: {"num_requests": subset.num_requests,
