@@ -53,14 +53,42 @@ def test_throughput_tiny_v2_and_hf(tmp_path):
 
 
 def test_latency_tiny(tmp_path):
-    res = _run_cli(tmp_path, "latency", "--runner", "v2")
+    runners = ["v2", "v1"] if HAS_V1 else ["v2"]
+    res = _run_cli(tmp_path, "latency", "--runner", ",".join(runners))
     _check_header(res)
-    rows = res["runners"]["v2"]["batches"]
-    assert [r["batch_size"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["ttft_ms"] > 0 and r["e2e_ms"] > 0 and r["tpot_ms"] is not None
-        assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / (r["output_len"] - 1))
+    for name in runners:
+        rows = res["runners"][name]["batches"]
+        assert [r["batch_size"] for r in rows] == [1, 2]
+        for r in rows:
+            assert r["ttft_ms"] > 0 and r["e2e_ms"] > 0 and r["tpot_ms"] is not None
+            assert r["tpot_ms"] == pytest.approx(
+                (r["e2e_ms"] - r["ttft_ms"]) / (r["output_len"] - 1))
+            assert r["triton_compiles"] == 0
     assert [r["batch"] for r in res["roofline"]["per_batch"]] == [1, 2]
+
+
+def test_latency_runners_take_turns():
+    """Each timed run of one runner is followed by the same run of the other (fake
+    runners record the order); TTFT/TPOT come from each runner's own runs."""
+    from mrv2.bench.timing import interleaved_latency_rows
+
+    calls = []
+
+    def fake(name, step_s):
+        def generate(wl, max_tokens):
+            calls.append((name, wl.num_requests, max_tokens))
+            n = max_tokens or wl.output_lens[0]
+            return {"wall_s": n * step_s, "steps": n, "triton_compiles": 0}
+        return generate
+
+    batches = [random_workload(f"b{b}", b, (4, 4), (5, 5), 50) for b in (1, 3)]
+    rows = interleaved_latency_rows({"v2": fake("v2", 0.001), "v1": fake("v1", 0.002)},
+                                    batches, iters=2)
+    timed_b1 = [c for c in calls if c[1] == 1][4:]   # after 2 untimed runs per runner
+    assert timed_b1 == [("v2", 1, 1), ("v1", 1, 1)] * 2 + [("v2", 1, None), ("v1", 1, None)] * 2
+    assert [r["batch_size"] for r in rows["v1"]] == [1, 3]
+    assert rows["v2"][0]["ttft_ms"] == pytest.approx(1.0)
+    assert rows["v1"][1]["tpot_ms"] == pytest.approx((10.0 - 2.0) / 4)
 
 
 def test_compile_counter_hooks_triton_and_restores_the_previous_hook():
@@ -107,6 +135,22 @@ def test_failing_runner_is_an_error_row(tmp_path, monkeypatch):
     assert main(["bench", "throughput", "--tiny", "--runner", "v1", "--out", str(out)]) == 1
     row = json.loads(out.read_text())["runners"]["v1"]
     assert row["error"] == "RuntimeError: runner v1 cannot be built"
+
+
+def test_latency_failing_runner_keeps_the_other(tmp_path, monkeypatch):
+    build = llm_runs.build_llm
+
+    def v1_broken(spec, runner, sizes):
+        if runner == "v1":
+            raise RuntimeError("runner v1 cannot be built")
+        return build(spec, runner, sizes)
+
+    monkeypatch.setattr(llm_runs, "build_llm", v1_broken)
+    out = tmp_path / "r.json"
+    assert main(["bench", "latency", "--tiny", "--runner", "v2,v1", "--out", str(out)]) == 0  # one ran
+    runners = json.loads(out.read_text())["runners"]
+    assert runners["v1"]["error"] == "RuntimeError: runner v1 cannot be built"
+    assert [r["batch_size"] for r in runners["v2"]["batches"]] == [1, 2]
 
 
 def test_hf_baseline_same_weights_and_token_counts():

@@ -225,21 +225,42 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
     return res, info
 
 
-def run_latency(spec: ModelSpec, runner: str, sizes: EngineSizes, batches: list[Workload], *,
-                iters: int, log=print) -> tuple[dict, dict]:
-    """Build one mrv2 runner and measure TTFT/TPOT at each batch size.
+def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
+                batches: list[Workload], *, iters: int,
+                log=print) -> dict[str, tuple[dict, dict | None]]:
+    """Build every mrv2 runner named, then measure TTFT/TPOT with the runners taking turns
+    (:func:`mrv2.bench.timing.interleaved_latency_rows`; the latency sizes are small, so
+    the runners fit on the device together).
 
     Returns:
-        ``(figures, model_info)`` as :func:`run_throughput`.
+        Runner name -> ``(figures, model_info)`` as :func:`run_throughput`; a runner that
+        fails to build gets ``({"error": ..., "traceback": ...}, None)``.
     """
-    from mrv2.bench.roofline import model_info
-    from mrv2.bench.timing import latency_rows
+    import traceback
 
-    t0 = time.perf_counter()
-    llm = build_llm(spec, runner, sizes)
-    res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
-    info = model_info(llm.model, llm.hf_config, llm.dtype)
-    res["warmup_s"] = sum(warm_up(llm, w, w.num_requests, 3) for w in batches)
-    log(f"[bench] {runner}: latency at batch sizes {[w.num_requests for w in batches]}")
-    res["batches"] = latency_rows(lambda w, m: generate_timed(llm, w, m), batches, iters)
-    return res, info
+    from mrv2.bench.roofline import model_info
+    from mrv2.bench.timing import interleaved_latency_rows
+
+    out, built = {}, {}
+    for name in runners:
+        t0 = time.perf_counter()
+        try:
+            llm = build_llm(spec, name, sizes)
+        except Exception as e:  # noqa: BLE001  (the other runners still run)
+            log(f"[bench] {name}: FAILED: {type(e).__name__}: {e}")
+            out[name] = ({"error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()}, None)
+            continue
+        res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
+        res["warmup_s"] = sum(warm_up(llm, w, w.num_requests, 3) for w in batches)
+        built[name] = (llm, res, model_info(llm.model, llm.hf_config, llm.dtype))
+    if built:
+        log(f"[bench] {', '.join(built)}: latency at batch sizes "
+            f"{[w.num_requests for w in batches]}, runners taking turns")
+        rows = interleaved_latency_rows(
+            {name: (lambda w, m, llm=llm: generate_timed(llm, w, m))
+             for name, (llm, _, _) in built.items()}, batches, iters)
+        for name, (_, res, info) in built.items():
+            res["batches"] = rows[name]
+            out[name] = (res, info)
+    return out

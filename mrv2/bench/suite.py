@@ -250,14 +250,22 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     iters = _default(cfg.latency_iters, 3, 1, tiny)
     results = _header(cfg, spec, log)
     info = None
-    for name in cfg.runners:
-        if name == "hf":
-            fn = lambda: hf_runs.run_latency(spec, batches, iters=iters,
-                                             cache_implementation=cfg.hf_cache, log=log)
-        else:
-            fn = lambda name=name: llm_runs.run_latency(
-                spec, name, sizes, batches, iters=iters, log=log)
-        results["runners"][name], runner_info = _guarded(name, fn, log)
+    mrv2_runners = [n for n in cfg.runners if n != "hf"]
+    if mrv2_runners:  # built together, measured taking turns
+        try:
+            measured = llm_runs.run_latency(spec, mrv2_runners, sizes, batches, iters=iters,
+                                            log=log)
+        except Exception as e:  # noqa: BLE001  (hf may still run)
+            log(f"[bench] {', '.join(mrv2_runners)}: FAILED: {type(e).__name__}: {e}")
+            error = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            measured = {n: (dict(error), None) for n in mrv2_runners}
+        memory = free_device_memory()
+        for name, (res, runner_info) in measured.items():
+            results["runners"][name] = {**res, "memory_after_free": memory}
+            info = info or runner_info
+    if "hf" in cfg.runners:
+        results["runners"]["hf"], runner_info = _guarded("hf", lambda: hf_runs.run_latency(
+            spec, batches, iters=iters, cache_implementation=cfg.hf_cache, log=log), log)
         info = info or runner_info
     results["model_info"] = info
     results["ratios"] = latency_ratios(results["runners"])
@@ -269,6 +277,8 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     results["notes"] += [
         ("TTFT = wall time of a prefill-only generate (max_tokens=1) of the whole batch, "
         "all prompts submitted at once; TPOT = (e2e - TTFT) / (output_len - 1); medians"),
+        ("the mrv2 runners are built together and take turns run by run (a drift of the "
+         "host falls on both alike); hf runs after them"),
         "latency ratios a/b = TPOT (or TTFT) of a / of b (lower: a is faster)",
         ("roofline per_batch step_ms is the best possible TPOT at that batch (context = "
         "input_len + output_len / 2)")]

@@ -96,40 +96,62 @@ GenerateFn = Callable[[Workload, "int | None"], dict]
 
 
 def latency_rows(generate: GenerateFn, batches: list[Workload], iters: int = 3) -> list[dict]:
-    """TTFT and TPOT for each batch (all prompts submitted at once).
+    """TTFT and TPOT of one runner for each batch (see :func:`interleaved_latency_rows`)."""
+    return interleaved_latency_rows({"runner": generate}, batches, iters)["runner"]
+
+
+def interleaved_latency_rows(generates: dict[str, GenerateFn], batches: list[Workload],
+                             iters: int = 3) -> dict[str, list[dict]]:
+    """TTFT and TPOT of several runners for each batch, the runners taking turns.
 
     TTFT is the wall time of a prefill-only run (``max_tokens=1``): every request of
     the batch gets its first token by then. TPOT is ``(e2e - TTFT) / (output_len - 1)``
-    with e2e the wall time of the full run. Medians over ``iters`` runs.
+    with e2e the wall time of the full run. Medians over ``iters`` runs. Each timed run
+    of one runner is followed by the same run of the next, so a drift of the machine
+    during the measurement (clocks, other load) falls on all runners alike.
+
+    NOTE: a prefill step runs eagerly: its time is mostly Python launching ~300 kernels,
+    which makes TTFT sensitive to the host's state; measured one runner after the other
+    in separate phases, the same runner's TTFT moved by up to 10 ms between batch sizes.
 
     Args:
-        generate: runs a workload, see ``GenerateFn``.
+        generates: runner name -> its ``GenerateFn``.
         batches: one fixed-length workload per batch size.
         iters: timed runs of each kind.
 
     Returns:
-        One dict per batch: ``batch_size, input_len, output_len, ttft_ms, e2e_ms,
-        tpot_ms, steps, mean_step_ms`` and the raw runs.
+        Runner name -> one dict per batch: ``batch_size, input_len, output_len, ttft_ms,
+        e2e_ms, tpot_ms, steps, mean_step_ms``, the raw runs and ``triton_compiles``.
     """
-    rows = []
+    rows: dict[str, list[dict]] = {name: [] for name in generates}
     for wl in batches:
         out_len = wl.output_lens[0]
         # NOTE: an untimed run of each shape first: a kernel variant compiled inside a
         # timed run (e.g. the first prefill of this length) would inflate it.
-        generate(wl, 1)
-        generate(wl, None)
-        first = [generate(wl, 1) for _ in range(iters)]
-        runs = [generate(wl, None) for _ in range(iters)]
-        ttft = [r["wall_s"] * 1e3 for r in first]
-        e2e = [r["wall_s"] * 1e3 for r in runs]
-        compiles = sum(r.get("triton_compiles", 0) for r in first + runs)
-        ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
-        steps = runs[0]["steps"]
-        rows.append({"batch_size": wl.num_requests, "input_len": wl.input_lens[0],
-                     "output_len": out_len, "ttft_ms": ttft_ms, "e2e_ms": e2e_ms,
-                     "tpot_ms": (e2e_ms - ttft_ms) / (out_len - 1) if out_len > 1 else None,
-                     "steps": steps, "mean_step_ms": e2e_ms / steps if steps else None,
-                     "ttft_ms_runs": ttft, "e2e_ms_runs": e2e, "triton_compiles": compiles})
+        for generate in generates.values():
+            generate(wl, 1)
+            generate(wl, None)
+        first = {name: [] for name in generates}
+        full = {name: [] for name in generates}
+        for _ in range(iters):
+            for name, generate in generates.items():
+                first[name].append(generate(wl, 1))
+        for _ in range(iters):
+            for name, generate in generates.items():
+                full[name].append(generate(wl, None))
+        for name in generates:
+            ttft = [r["wall_s"] * 1e3 for r in first[name]]
+            e2e = [r["wall_s"] * 1e3 for r in full[name]]
+            ttft_ms, e2e_ms = statistics.median(ttft), statistics.median(e2e)
+            steps = full[name][0]["steps"]
+            rows[name].append({
+                "batch_size": wl.num_requests, "input_len": wl.input_lens[0],
+                "output_len": out_len, "ttft_ms": ttft_ms, "e2e_ms": e2e_ms,
+                "tpot_ms": (e2e_ms - ttft_ms) / (out_len - 1) if out_len > 1 else None,
+                "steps": steps, "mean_step_ms": e2e_ms / steps if steps else None,
+                "ttft_ms_runs": ttft, "e2e_ms_runs": e2e,
+                "triton_compiles": sum(r.get("triton_compiles", 0)
+                                       for r in first[name] + full[name])})
     return rows
 
 
