@@ -190,6 +190,23 @@ def test_roofline_arithmetic():
     assert copy_bandwidth("cpu", nbytes=1 << 16, iters=2)["bandwidth_gbs"] > 0
 
 
+def test_workload_roofline_walks_the_schedule():
+    """Hand-counted schedules: weights once per decode step, each request's context."""
+    from mrv2.bench.roofline import workload_roofline
+
+    # One slot: request 0 (2 in, 3 out) decodes 2 tokens at contexts 3 and 4; request 1
+    # (3 in, 1 out) gets its only token from the prefill: no decode step.
+    r = workload_roofline(10, 1, [2, 3], [3, 1], max_num_seqs=1, bandwidth_gbs=1e-9)
+    assert (r["decode_steps"], r["kv_bytes"], r["bytes"]) == (2, 3 + 4, 2 * 10 + 7)
+    assert r["tok_s"] == pytest.approx(4 / 27)  # 4 output tokens over 27 bytes at 1 B/s
+    # Two slots: both decode in step 1 (contexts 3 and 4), request 1 is done after it.
+    r = workload_roofline(10, 1, [2, 3], [3, 2], max_num_seqs=2, bandwidth_gbs=1e-9)
+    assert (r["decode_steps"], r["kv_bytes"]) == (2, (3 + 4) + 4)
+    # A freed slot goes to the next waiting request.
+    r = workload_roofline(0, 1, [1, 1, 1], [2, 3, 2], max_num_seqs=2, bandwidth_gbs=1e-9)
+    assert (r["decode_steps"], r["kv_bytes"]) == (2, (2 + 2) + (3 + 2))  # C joins in step 2
+
+
 def test_workloads_are_seeded_and_in_range():
     a = make_workload("standard", 1000, seed=3)
     b = make_workload("standard", 1000, seed=3)

@@ -138,6 +138,11 @@ def throughput_table(results: dict) -> str:
         lines.append(f"{'roofline':<8} {_f(roof['tok_s'], '13,.1f')} {'':>7} "
                      f"{_f(roof['step_ms'], '8.2f')}         (decode, batch {roof['batch']}, "
                      f"context {roof['context']:.0f})")
+    whole = results.get("roofline", {}).get("workload")
+    if whole:
+        lines.append(f"{'roofline':<8} {_f(whole['tok_s'], '13,.1f')} "
+                     f"{_f(whole['decode_steps'], '7d')} {'':>8}         (the workload's "
+                     "decode steps, batch shrinking as requests finish)")
     for key, value in results.get("ratios", {}).items():
         lines.append(f"  {key}: {value:.3f}")
     return "\n".join(lines)

@@ -97,6 +97,53 @@ def decode_roofline(weight_nbytes: int, kv_nbytes_per_token: int, batch: float, 
             "tok_s": batch / step_s}
 
 
+def workload_roofline(weight_nbytes: int, kv_nbytes_per_token: int, input_lens: list[int],
+                      output_lens: list[int], max_num_seqs: int, bandwidth_gbs: float) -> dict:
+    """The memory roofline of a whole workload: every decode step of its schedule.
+
+    The batch of a real run is not constant: requests of different lengths finish one
+    by one and the waiting ones take their slots. This walks that schedule (at most
+    ``max_num_seqs`` requests decode at once, a freed slot goes to the next request in
+    order, every KV block fits) and adds up each decode step's bytes: the weights once,
+    plus the cached context of every request in the step. Prefill steps (compute-bound)
+    and sampling are left out, so the bound is optimistic.
+
+    Args:
+        weight_nbytes, kv_nbytes_per_token: as :func:`decode_roofline`.
+        input_lens, output_lens: per request; request ``i`` decodes ``output_lens[i] - 1``
+            tokens after its prefill (the first comes from the prefill step).
+        max_num_seqs: requests decoding at once at most.
+        bandwidth_gbs: measured copy bandwidth in GB/s.
+
+    Returns:
+        ``{"decode_steps", "output_tokens", "weight_bytes", "kv_bytes", "bytes",
+        "time_s", "tok_s"}``: ``tok_s`` = all output tokens / the decode steps' time.
+    """
+    waiting = list(zip(input_lens, output_lens))[::-1]
+    active: list[list[int]] = []  # [context now, decode tokens left]
+    steps = kv_tokens = 0
+    while waiting or active:
+        while waiting and len(active) < max_num_seqs:
+            n_in, n_out = waiting.pop()
+            if n_out > 1:
+                active.append([n_in + 1, n_out - 1])  # the prefill sampled the first token
+        if not active:
+            continue
+        steps += 1
+        kv_tokens += sum(ctx for ctx, _ in active)  # each request reads its whole context
+        for r in active:
+            r[0] += 1
+            r[1] -= 1
+        active = [r for r in active if r[1] > 0]
+    kv = kv_tokens * kv_nbytes_per_token
+    total = steps * weight_nbytes + kv
+    time_s = total / (bandwidth_gbs * 1e9)
+    tokens = int(sum(output_lens))
+    return {"decode_steps": steps, "output_tokens": tokens, "weight_bytes": steps * int(weight_nbytes),
+            "kv_bytes": int(kv), "bytes": int(total), "time_s": time_s,
+            "tok_s": tokens / time_s if time_s > 0 else None}
+
+
 def model_info(model: torch.nn.Module, hf_config, dtype: torch.dtype) -> dict:
     """What the roofline needs to know about a model (for the results JSON)."""
     from mrv2.models.qwen3 import model_dims

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mrv2 import platform
 from mrv2.bench import hf_runs, llm_runs
 from mrv2.bench.report import REPO_ROOT, environment
-from mrv2.bench.roofline import copy_bandwidth, decode_roofline
+from mrv2.bench.roofline import copy_bandwidth, decode_roofline, workload_roofline
 from mrv2.bench.timing import free_device_memory
 from mrv2.bench.workloads import make_workload, random_workload
 
@@ -208,7 +208,13 @@ def throughput_roofline(info: dict | None, bw: dict, wl, max_num_seqs: int,
         *kw, batch, context, bw["bandwidth_gbs"]),
         "definition": "decode step at batch=min(num_requests, max_num_seqs), context="
                       "mean input + mean output / 2; bytes = weights + KV read; "
-                      "time = bytes / measured copy bandwidth (read+write)"}
+                      "time = bytes / measured copy bandwidth (read+write)",
+        "workload": workload_roofline(*kw, wl.input_lens, wl.output_lens, max_num_seqs,
+                                      bw["bandwidth_gbs"]),
+        "workload_definition": "every decode step of the workload's schedule (at most "
+                               "max_num_seqs at once, freed slots refilled in order): "
+                               "weights + each request's context per step, over the "
+                               "measured bandwidth; all output tokens / that time"}
     if sweep:
         out["sweep"] = [decode_roofline(*kw, w.num_requests, w.input_lens[0] +
                                         w.output_lens[0] / 2, bw["bandwidth_gbs"]) for w in sweep]
