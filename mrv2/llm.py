@@ -30,6 +30,8 @@ _IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_
                  "enable_prefix_caching": None, "swap_space": None, "disable_log_stats": None,
                  "tokenizer_mode": None, "revision": None, "download_dir": None,
                  "enable_chunked_prefill": None, "compilation_config": None}
+#: ``LLM(cudagraph_mode=...)`` values (vLLM's ``CUDAGraphMode`` names that mrv2 has).
+_CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 
 
 class LLM:
@@ -47,7 +49,11 @@ class LLM:
         block_size: tokens per KV block.
         num_gpu_blocks_override: KV blocks in the pool (default: sized from memory).
         gpu_memory_utilization: fraction of GPU memory to use (model + KV cache).
-        enforce_eager: never use CUDA graphs.
+        enforce_eager: never use CUDA graphs (same as ``cudagraph_mode="NONE"``).
+        cudagraph_mode: vLLM's names: ``"FULL"`` (decode steps and small prefill / mixed
+            steps replay whole-forward graphs; the V2 default), ``"FULL_DECODE_ONLY"``
+            (uniform decode steps only; the V1 baseline's default and only mode) or
+            ``"NONE"``. See ``mrv2/cuda_graphs.py``.
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs are ids.
         runner: ``"v2"`` or ``"v1"`` (the V1-style baseline, ``mrv2/v1/``); ``None``
@@ -68,7 +74,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
                  runner: str | None = None, logits_processors=(),
-                 async_scheduling: bool | None = None, model_state_cls=None, **kwargs):
+                 async_scheduling: bool | None = None, model_state_cls=None,
+                 cudagraph_mode: str | None = None, **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -81,6 +88,17 @@ class LLM:
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
+        if cudagraph_mode is None:
+            cudagraph_mode = "FULL" if runner == "v2" else "FULL_DECODE_ONLY"
+        if cudagraph_mode not in _CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(_CUDAGRAPH_MODES)}, "
+                             f"got {cudagraph_mode!r}")
+        if cudagraph_mode == "FULL" and runner != "v2":
+            raise ValueError("cudagraph_mode='FULL' needs the V2 runner: the V1-style baseline "
+                             "captures uniform decode steps only ('FULL_DECODE_ONLY')")
+        enforce_eager = enforce_eager or cudagraph_mode == "NONE"
+        # NOTE: what the runner will really do: on the CPU there are no graphs at all.
+        self.cudagraph_mode = "NONE" if enforce_eager or not platform.HAS_CUDA else cudagraph_mode
         self.runner_name, self.async_scheduling = runner, bool(async_scheduling)
         from mrv2.models.loader import load_model, resolve_model_path
 
@@ -115,6 +133,8 @@ class LLM:
             from mrv2.v1.runner import V1ModelRunner as ModelRunner
 
         extra = {} if model_state_cls is None else {"model_state_cls": model_state_cls}
+        if runner == "v2":
+            extra["prefill_graphs"] = cudagraph_mode == "FULL"
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,

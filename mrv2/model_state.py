@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from mrv2.cuda_graphs import CudaGraphManager
+from mrv2.cuda_graphs import CudaGraphManager, GraphKey, graph_shape
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.input_batch import InputBatch
 
@@ -47,18 +47,21 @@ class ModelState:
 
     # -- the per-step interface --------------------------------------------------
 
-    def prepare_attn(self, batch: InputBatch, graph_size: int | None = None) -> AttentionMetadata:
+    def prepare_attn(self, batch: InputBatch, graph_size: GraphKey | None = None
+                     ) -> AttentionMetadata:
         """The step's attention metadata.
 
         Args:
             batch: the prepared inputs (its ``attn_metadata`` holds the exact bounds).
-            graph_size: the captured size when the step replays a graph: then the
-                host-side bounds must be the ones the graph was captured with.
+            graph_size: the key of the graph the step replays (a decode batch size, or
+                ``(num_reqs, num_tokens)`` of a prefill graph): then the host-side bounds
+                must be the ones the graph was captured with.
         """
         if graph_size is None:
             return batch.attn_metadata
-        # NOTE: a graph bakes host ints into its launches: use bounds valid for any step.
-        return dataclasses.replace(batch.attn_metadata, max_query_len=1,
+        # NOTE: a graph bakes host ints into its launches: use bounds valid for any step
+        # it serves (max_query_len 1 for a decode graph, its token count for a prefill one).
+        return dataclasses.replace(batch.attn_metadata, max_query_len=graph_shape(graph_size)[2],
                                    max_seq_len=self.max_model_len)
 
     def get_inputs_embeds(self, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -94,7 +97,7 @@ class ModelState:
         graphs.capture(make_dummy_batch, forward, progress=progress)
         self.graphs = graphs
 
-    def run(self, batch: InputBatch, graph_size: int | None = None) -> torch.Tensor:
+    def run(self, batch: InputBatch, graph_size: GraphKey | None = None) -> torch.Tensor:
         """The step's hidden states ``[T_pad, hidden]``: graph replay or eager forward."""
         if graph_size is not None and self.graphs is not None and graph_size in self.graphs.graphs:
             return self.graphs.replay(graph_size)

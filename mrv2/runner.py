@@ -29,7 +29,7 @@ import torch
 from mrv2.async_output import AsyncOutput
 from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
-from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
+from mrv2.cuda_graphs import CudaGraphManager, capture_sizes, graph_shape, prefill_capture_sizes
 from mrv2.input_batch import InputBatch, InputBuffers, prepare_input_batch
 from mrv2.kernels.input_prep import post_update
 from mrv2.kernels.logprobs import compute_topk_logprobs
@@ -56,6 +56,8 @@ class ModelRunner:
         num_blocks: KV blocks to allocate per layer.
         device, dtype: where and in what precision.
         enforce_eager: no CUDA graphs (there are none on the CPU anyway).
+        prefill_graphs: also capture graphs for small prefill / mixed steps
+            (``mrv2.cuda_graphs``); off: only uniform decode steps replay a graph.
         logits_processors: ``LogitsProcessor`` instances, or factories called as
             ``factory(max_num_reqs, device)``, applied to every step's logits in order.
         model_state_cls: the ``ModelState`` class to use (default: ``ModelState``),
@@ -65,7 +67,7 @@ class ModelRunner:
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, enforce_eager: bool = False, logits_processors=(),
-                 model_state_cls: type[ModelState] = ModelState):
+                 model_state_cls: type[ModelState] = ModelState, prefill_graphs: bool = True):
         self.model_state = model_state_cls(model, scheduler_config.max_model_len)
         self.device = torch.device(device)
         self.max_model_len = scheduler_config.max_model_len
@@ -98,18 +100,21 @@ class ModelRunner:
         self.timeline = None  # a mrv2.timeline.Timeline, set by the engine when recording
         use_graphs = self.device.type == "cuda" and not enforce_eager
         self.cuda_graphs = CudaGraphManager(
-            capture_sizes(self.max_num_reqs) if use_graphs else [])
+            capture_sizes(self.max_num_reqs) if use_graphs else [],
+            prefill_capture_sizes(self.max_num_reqs, self.max_num_tokens)
+            if use_graphs and prefill_graphs else [])
 
     def capture_cuda_graphs(self, progress: bool = True) -> None:
-        """Capture the decode forward pass at every size (a no-op without graphs)."""
+        """Capture the forward pass at every graph key (a no-op without graphs)."""
         if self.cuda_graphs.enabled:
             self.model_state.capture_cuda_graphs(self.cuda_graphs, self._dummy_batch, progress)
 
-    def _dummy_batch(self, size: int) -> InputBatch:
-        """An all-padding decode batch of ``size`` slots in the static buffers."""
+    def _dummy_batch(self, size) -> InputBatch:
+        """An all-padding batch of a graph key's shape in the static buffers."""
+        num_reqs, num_tokens, max_query_len = graph_shape(size)
         return prepare_input_batch(self.buffers, self.state, self.block_tables, [], [], [],
-                                   max_query_len=1, max_seq_len=self.max_model_len,
-                                   num_reqs_padded=size, num_tokens_padded=size)
+                                   max_query_len=max_query_len, max_seq_len=self.max_model_len,
+                                   num_reqs_padded=num_reqs, num_tokens_padded=num_tokens)
 
     def _phase(self, name: str):
         """Timeline hook: a GPU mark and a CPU span named ``name`` (no-op when off)."""
@@ -178,12 +183,14 @@ class ModelRunner:
             rows = [self.state.row_of(r) for r in req_ids]
             num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
             num_reqs = len(rows)
-            # A uniform decode batch replays the CUDA graph of the next captured size.
-            graph_size = self.cuda_graphs.padded_size(num_reqs, sched.total_num_scheduled_tokens)
+            # A uniform decode batch replays the CUDA graph of the next captured size, a
+            # small prefill / mixed batch the smallest prefill graph that holds it.
+            graph_size = self.cuda_graphs.graph_for(num_reqs, sched.total_num_scheduled_tokens)
+            reqs_pad, tokens_pad, _ = graph_shape(graph_size) if graph_size else (None, None, 0)
             batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
                                         num_scheduled, max_query_len=max(num_scheduled),
                                         max_seq_len=sched.max_seq_len,
-                                        num_reqs_padded=graph_size, num_tokens_padded=graph_size)
+                                        num_reqs_padded=reqs_pad, num_tokens_padded=tokens_pad)
         with self._phase("forward"):
             hidden = self.model_state.run(batch, graph_size)                  # [T_pad, hidden]
         with self._phase("sample"):

@@ -13,7 +13,12 @@ import torch
 
 from mrv2 import LLM, SamplingParams
 from mrv2.async_output import AsyncOutput
-from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
+from mrv2.cuda_graphs import (
+    CudaGraphManager,
+    capture_sizes,
+    graph_shape,
+    prefill_capture_sizes,
+)
 from mrv2.model_state import ModelState
 from mrv2.models.loader import DEFAULT_MODEL_DIR
 from mrv2.timeline import Timeline, plot_timeline
@@ -181,6 +186,44 @@ def test_padded_size_only_for_captured_uniform_decodes():
     assert mgr.padded_size(9, 9) is None      # larger than the largest graph: eager
     assert mgr.padded_size(3, 7) is None      # a prefill in the batch: eager
     assert not CudaGraphManager([]).enabled
+
+
+def test_prefill_graph_sizes_and_lookup():
+    """Prefill graphs: (num_reqs, num_tokens) pairs within the limits, captured most
+    tokens first; a step takes the decode graph if it is a uniform decode batch, else the
+    smallest prefill graph holding it, else runs eagerly."""
+    assert prefill_capture_sizes(256, 8192) == [
+        (r, t) for t in (32, 64, 128, 256, 512, 1024, 2048, 4096) for r in (1, 4, 16, 32)]
+    assert prefill_capture_sizes(4, 16) == [(1, 16), (4, 16)]  # the limits themselves
+    assert prefill_capture_sizes(8, 40) == [(1, 32), (4, 32), (8, 32), (1, 40), (4, 40),
+                                            (8, 40)]
+    with pytest.raises(ValueError, match="positive"):
+        prefill_capture_sizes(4, 0)
+    assert graph_shape(8) == (8, 8, 1) and graph_shape((4, 64)) == (4, 64, 64)
+
+    mgr = CudaGraphManager([1, 2, 4, 8], prefill_capture_sizes(16, 128))
+    keys = mgr.keys()
+    assert keys[0] == (16, 128) and keys[-1] == 1          # the most tokens first
+    assert [graph_shape(k)[1] for k in keys] == sorted((graph_shape(k)[1] for k in keys),
+                                                       reverse=True)
+    assert mgr.graph_for(3, 3) is None                     # nothing captured yet
+    mgr.graphs = dict.fromkeys(keys)
+    assert mgr.graph_for(3, 3) == 4                        # uniform decode: decode graph
+    assert mgr.graph_for(1, 20) == (1, 32)                 # one short prompt
+    assert mgr.graph_for(3, 7) == (4, 32)                  # decodes + a chunk
+    assert mgr.graph_for(5, 100) == (16, 128)
+    assert mgr.graph_for(9, 9) == (16, 32)                 # decodes past the decode graphs
+    assert mgr.graph_for(2, 129) is None                   # more tokens than any graph
+    assert mgr.graph_for(17, 60) is None                   # more requests than any graph
+    assert CudaGraphManager([], [(1, 32)]).keys() == []    # no decode graphs: none at all
+
+
+def test_cudagraph_mode_is_checked():
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        LLM(max_model_len=32, max_num_seqs=2, cudagraph_mode="PIECEWISE")
+    with pytest.raises(ValueError, match="V1-style baseline captures uniform decode"):
+        LLM(max_model_len=32, max_num_seqs=2, runner="v1", cudagraph_mode="FULL")
+    assert LLM(max_model_len=32, max_num_seqs=2, enforce_eager=True).cudagraph_mode == "NONE"
 
 
 def test_cpu_runner_has_no_graphs():

@@ -78,13 +78,21 @@ def test_outputs_identical_async_and_graphs_on_off():
               for i in range(16)]
     results = {}
     for async_scheduling in (False, True):
-        for eager in (False, True):
+        for mode in ("NONE", "FULL_DECODE_ONLY", "FULL"):
             llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=16,
-                      async_scheduling=async_scheduling, enforce_eager=eager)
-            assert bool(llm.runner.cuda_graphs.graphs) == (not eager)
+                      async_scheduling=async_scheduling, cudagraph_mode=mode)
+            graphs = llm.runner.cuda_graphs
+            assert bool(graphs.graphs) == (mode != "NONE")
+            assert any(isinstance(k, tuple) for k in graphs.graphs) == (mode == "FULL")
+            replayed = []
+            replay = graphs.replay
+            graphs.replay = lambda key, replay=replay: replayed.append(key) or replay(key)
             outs = llm.generate(inputs, params, use_tqdm=False)
-            results[(async_scheduling, eager)] = [o.outputs[0].token_ids for o in outs]
-    first = results[(False, True)]
+            results[(async_scheduling, mode)] = [o.outputs[0].token_ids for o in outs]
+            # FULL: the prefill steps replay prefill graphs too; decode-only: never.
+            assert any(isinstance(k, tuple) for k in replayed) == (mode == "FULL")
+            assert any(isinstance(k, int) for k in replayed) == (mode != "NONE")
+    first = results[(False, "NONE")]
     for key, ids in results.items():
         assert ids == first, key
 

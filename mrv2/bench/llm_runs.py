@@ -44,6 +44,7 @@ class EngineSizes:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    v2_cudagraph_mode: str | None = None  # the V2 runner's LLM(cudagraph_mode=...)
 
 
 def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
@@ -54,7 +55,8 @@ def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
                skip_tokenizer_init=True, max_num_seqs=sizes.max_num_seqs,
                max_num_batched_tokens=sizes.max_num_batched_tokens,
                max_model_len=sizes.max_model_len, enforce_eager=sizes.enforce_eager,
-               runner=runner, async_scheduling=sizes.async_scheduling)
+               runner=runner, async_scheduling=sizes.async_scheduling,
+               cudagraph_mode=sizes.v2_cudagraph_mode if runner == "v2" else None)
 
 
 def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
@@ -94,6 +96,7 @@ def warm_up(llm, wl: Workload, num_requests: int, max_tokens: int) -> float:
 def describe(llm) -> dict:
     """The resolved settings of a built ``LLM`` (for the results JSON)."""
     return {"runner": llm.runner_name, "async_scheduling": llm.async_scheduling,
+            "cudagraph_mode": llm.cudagraph_mode,
             "dtype": str(llm.dtype).removeprefix("torch."), "device": str(llm.device),
             "max_num_seqs": llm.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": llm.scheduler_config.max_num_batched_tokens,

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 #: Lanes per loop iteration. NOTE: fixed, not sized to the batch: each distinct
 #: constexpr (and each int argument Triton specialises on: ==1, divisible by 16) is
 #: one more compiled kernel, met for the first time mid-run (~0.3 s of that run).
