@@ -187,13 +187,13 @@ def test_helpers_and_config_errors():
                                                  "original_max_position_embeddings": 64})
     with pytest.raises(ValueError, match="yarn"):
         Qwen3ForCausalLM(yarn)
-    model = Qwen3ForCausalLM(tiny_config("qwen3"))
+    model = Qwen3ForCausalLM(tiny_config("qwen3")).to(DEVICE)  # GPU: its kernels need CUDA
     with pytest.raises(ValueError, match="3 KV caches for 2"):
         bind_kv_cache(model, [torch.zeros(2, 4, 4, 2, 16)] * 2 + [torch.zeros(2, 4, 4, 2, 16)])
     with pytest.raises(ValueError, match="expected"):
         bind_kv_cache(model, [torch.zeros(2, 4, 4, 4, 16)] * 2)
     with pytest.raises(RuntimeError, match="bind_kv_cache"):
-        model(torch.tensor([1]), torch.tensor([0]))
+        model(torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE))
 
 
 def stories260k(shared_data):

@@ -20,6 +20,7 @@ from mrv2 import LLM, SamplingParams
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.kernels.logprobs import compute_topk_logprobs_ref
 from mrv2.models.loader import DEFAULT_MODEL_DIR, load_model
+from mrv2.platform import DEVICE
 from mrv2.request import Request
 from mrv2.sample.sampler import apply_top_k_top_p_min_p
 from mrv2.scheduler import NewRequestData, SchedulerOutput
@@ -280,14 +281,14 @@ def _plan(num_scheduled, new_reqs=(), new_block_ids=None):
 def test_unscheduled_request_leaves_the_batch_and_comes_back():
     """V1 drops a running request that is not scheduled from the batch, keeps its
     ``CachedRequestState`` and re-adds it later; nothing about it may change."""
-    model, cfg = load_model(None, "float32", "cpu")
+    model, cfg = load_model(None, "float32", DEVICE)  # the kernels need CUDA on a GPU machine
     sp = SamplingParams(temperature=0, ignore_eos=True)
     prompts = {"A": [5, 6, 7, 8, 9], "B": [10, 11, 12]}
 
     def run(plans):
         runner = V1ModelRunner(model, cfg, SchedulerConfig(max_num_seqs=4, max_model_len=32,
                                                            max_num_batched_tokens=16),
-                               CacheConfig(block_size=4), 8, torch.device("cpu"), torch.float32)
+                               CacheConfig(block_size=4), 8, DEVICE, torch.float32)
         new = [NewRequestData(r, p, len(p), Request(r, p, sp, arrival=0), blocks)
                for (r, p), blocks in zip(prompts.items(), ([0, 1], [2]))]
         runner.execute_model(_plan({"A": 5, "B": 3}, new))
