@@ -51,9 +51,8 @@ class LLM:
         gpu_memory_utilization: fraction of GPU memory to use (model + KV cache).
         enforce_eager: never use CUDA graphs (same as ``cudagraph_mode="NONE"``).
         cudagraph_mode: vLLM's names: ``"FULL"`` (decode steps and small prefill / mixed
-            steps replay whole-forward graphs; the V2 default), ``"FULL_DECODE_ONLY"``
-            (uniform decode steps only; the V1 baseline's default and only mode) or
-            ``"NONE"``. See ``mrv2/cuda_graphs.py``.
+            steps replay whole-forward graphs; the default), ``"FULL_DECODE_ONLY"``
+            (uniform decode steps only) or ``"NONE"``. See ``mrv2/cuda_graphs.py``.
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights).
         skip_tokenizer_init: no tokenizer: prompts must be token ids, outputs are ids.
         runner: ``"v2"`` or ``"v1"`` (the V1-style baseline, ``mrv2/v1/``); ``None``
@@ -89,13 +88,10 @@ class LLM:
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
         if cudagraph_mode is None:
-            cudagraph_mode = "FULL" if runner == "v2" else "FULL_DECODE_ONLY"
+            cudagraph_mode = "FULL"
         if cudagraph_mode not in _CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(_CUDAGRAPH_MODES)}, "
                              f"got {cudagraph_mode!r}")
-        if cudagraph_mode == "FULL" and runner != "v2":
-            raise ValueError("cudagraph_mode='FULL' needs the V2 runner: the V1-style baseline "
-                             "captures uniform decode steps only ('FULL_DECODE_ONLY')")
         enforce_eager = enforce_eager or cudagraph_mode == "NONE"
         # NOTE: what the runner will really do: on the CPU there are no graphs at all.
         self.cudagraph_mode = "NONE" if enforce_eager or not platform.HAS_CUDA else cudagraph_mode
@@ -133,8 +129,7 @@ class LLM:
             from mrv2.v1.runner import V1ModelRunner as ModelRunner
 
         extra = {} if model_state_cls is None else {"model_state_cls": model_state_cls}
-        if runner == "v2":
-            extra["prefill_graphs"] = cudagraph_mode == "FULL"
+        extra["prefill_graphs"] = cudagraph_mode == "FULL"
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,

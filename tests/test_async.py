@@ -224,8 +224,6 @@ def test_prefill_graph_sizes_and_lookup():
 def test_cudagraph_mode_is_checked():
     with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
         LLM(max_model_len=32, max_num_seqs=2, cudagraph_mode="PIECEWISE")
-    with pytest.raises(ValueError, match="V1-style baseline captures uniform decode"):
-        LLM(max_model_len=32, max_num_seqs=2, runner="v1", cudagraph_mode="FULL")
     assert LLM(max_model_len=32, max_num_seqs=2, enforce_eager=True).cudagraph_mode == "NONE"
 
 

@@ -118,13 +118,19 @@ def test_v1_baseline_graphs_equal_eager_and_v2():
     inputs = _prompts(3, 16, 2048)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
-    for runner, eager in (("v1", False), ("v1", True), ("v2", False)):
+    for runner, mode in (("v1", "FULL"), ("v1", "FULL_DECODE_ONLY"), ("v1", "NONE"),
+                         ("v2", "FULL")):
         llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=128, max_num_seqs=16,
-                  runner=runner, enforce_eager=eager)
-        assert bool(llm.runner.cuda_graphs.graphs) == (not eager)
-        outs[(runner, eager)] = [o.outputs[0].token_ids for o in
-                                 llm.generate(inputs, sp, use_tqdm=False)]
-    assert outs[("v1", False)] == outs[("v1", True)] == outs[("v2", False)]
+                  runner=runner, cudagraph_mode=mode)
+        graphs = llm.runner.cuda_graphs
+        assert bool(graphs.graphs) == (mode != "NONE")
+        replayed = []
+        replay = graphs.replay
+        graphs.replay = lambda key, replay=replay: replayed.append(key) or replay(key)
+        outs[(runner, mode)] = [o.outputs[0].token_ids for o in
+                                llm.generate(inputs, sp, use_tqdm=False)]
+        assert any(isinstance(k, tuple) for k in replayed) == (mode == "FULL")  # prefill graphs
+    assert len({tuple(map(tuple, ids)) for ids in outs.values()}) == 1, outs.keys()
 
 
 def test_new_batch_sizes_and_lengths_compile_no_kernel():

@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-async", action="store_true", help="async_scheduling=False")
-    p.add_argument("--v2-cudagraph-mode", choices=("FULL", "FULL_DECODE_ONLY"), default=None,
-                   help="the V2 runner's CUDA graphs (default FULL: decode and small prefill "
-                        "steps); the V1 baseline always captures decode steps only")
+    p.add_argument("--cudagraph-mode", choices=("FULL", "FULL_DECODE_ONLY"), default=None,
+                   help="the mrv2 runners' CUDA graphs (default FULL: decode and small "
+                        "prefill steps; FULL_DECODE_ONLY: decode steps only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-requests", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None,
@@ -93,7 +93,7 @@ def config_from_args(args: argparse.Namespace):
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async else None,
-        v2_cudagraph_mode=args.v2_cudagraph_mode,
+        cudagraph_mode=args.cudagraph_mode,
         seed=args.seed, warmup_requests=args.warmup_requests,
         hf_max_requests=args.hf_max_requests, hf_batch_size=args.hf_batch_size,
         hf_cache=None if args.hf_cache == "dynamic" else args.hf_cache,

@@ -44,7 +44,7 @@ class EngineSizes:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
-    v2_cudagraph_mode: str | None = None  # the V2 runner's LLM(cudagraph_mode=...)
+    cudagraph_mode: str | None = None  # LLM(cudagraph_mode=...) of the mrv2 runners
 
 
 def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
@@ -56,7 +56,7 @@ def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
                max_num_batched_tokens=sizes.max_num_batched_tokens,
                max_model_len=sizes.max_model_len, enforce_eager=sizes.enforce_eager,
                runner=runner, async_scheduling=sizes.async_scheduling,
-               cudagraph_mode=sizes.v2_cudagraph_mode if runner == "v2" else None)
+               cudagraph_mode=sizes.cudagraph_mode)
 
 
 def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:

@@ -45,7 +45,7 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
-    v2_cudagraph_mode: str | None = None      # default FULL (see LLM(cudagraph_mode=...))
+    cudagraph_mode: str | None = None         # default FULL (see LLM(cudagraph_mode=...))
     seed: int = 0
     warmup_requests: int | None = None        # default 32 (tiny: 2)
     warmup_tokens: int | None = None          # default 16 (tiny: 2)
@@ -148,7 +148,7 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     max_num_seqs = max([_default(cfg.max_num_seqs, 256, 4, tiny)] + (cfg.sweep_batch or []))
     sizes = llm_runs.EngineSizes(max_num_seqs, max(w.max_len for w in [wl] + sweep),
                                  cfg.max_num_batched_tokens, cfg.enforce_eager,
-                                 cfg.async_scheduling, cfg.v2_cudagraph_mode)
+                                 cfg.async_scheduling, cfg.cudagraph_mode)
     _check_len(sizes.max_model_len, hf_config)
     hf_cap = _default(cfg.hf_max_requests, 64 if cfg.workload == "standard" else None, None, tiny)
     hf_wl = wl.subset(hf_cap) if hf_cap and hf_cap < wl.num_requests else wl
@@ -252,7 +252,7 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
                                hf_config.vocab_size, cfg.seed) for b in sizes_b]
     sizes = llm_runs.EngineSizes(max(sizes_b + [cfg.max_num_seqs or 0]), in_len + out_len,
                                  cfg.max_num_batched_tokens, cfg.enforce_eager,
-                                 cfg.async_scheduling, cfg.v2_cudagraph_mode)
+                                 cfg.async_scheduling, cfg.cudagraph_mode)
     _check_len(sizes.max_model_len, hf_config)
     iters = _default(cfg.latency_iters, 3, 1, tiny)
     results = _header(cfg, spec, log)

@@ -27,7 +27,7 @@ import torch
 
 from mrv2.async_output import StepOutput
 from mrv2.config import CacheConfig, SchedulerConfig
-from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
+from mrv2.cuda_graphs import CudaGraphManager, capture_sizes, graph_shape, prefill_capture_sizes
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.sampling_params import SamplingParams
@@ -58,12 +58,15 @@ class V1ModelRunner:
         enforce_eager: no CUDA graphs. Otherwise, on a GPU, uniform decode batches replay
             full CUDA graphs over the fixed input buffers, as V2 does (V1 captured
             piecewise graphs; a full graph is the fairer match for the V2 comparison).
+        prefill_graphs: small prefill / mixed steps replay graphs too, as in V2 (vLLM's
+            V1 covered them with its piecewise graphs).
         logits_processors: must be empty (``ValueError`` otherwise).
     """
 
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, enforce_eager: bool = False, logits_processors=()):
+                 dtype: torch.dtype, enforce_eager: bool = False, logits_processors=(),
+                 prefill_graphs: bool = True):
         if logits_processors:
             raise ValueError("logits_processors are not supported by the V1 baseline runner; "
                              "use runner='v2'")
@@ -97,32 +100,36 @@ class V1ModelRunner:
         self.seq_lens_cpu, self.seq_lens_np, self.seq_lens = buffers(R, torch.int32)
         self.arange_np = np.arange(max(T, R) + 1, dtype=np.int64)
         use_graphs = self.device.type == "cuda" and not enforce_eager
-        self.cuda_graphs = CudaGraphManager(capture_sizes(R) if use_graphs else [])
+        self.cuda_graphs = CudaGraphManager(
+            capture_sizes(R) if use_graphs else [],
+            prefill_capture_sizes(R, T) if use_graphs and prefill_graphs else [])
 
     # -- CUDA graphs (the same manager as V2) ----------------------------------------------
 
-    def _graph_metadata(self, size: int) -> AttentionMetadata:
-        """Attention metadata over the fixed buffers for a padded decode batch of ``size``."""
+    def _graph_metadata(self, size) -> AttentionMetadata:
+        """Attention metadata over the fixed buffers for a padded batch of a graph key."""
+        num_reqs, num_tokens, max_query_len = graph_shape(size)
         bt = self.input_batch.block_table
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=bt.block_table[:size], slot_mapping=bt.slot_mapping[:size],
-            max_query_len=1, max_seq_len=self.max_model_len)
+            query_start_loc=self.query_start_loc[:num_reqs + 1], seq_lens=self.seq_lens[:num_reqs],
+            block_table=bt.block_table[:num_reqs], slot_mapping=bt.slot_mapping[:num_tokens],
+            max_query_len=max_query_len, max_seq_len=self.max_model_len)
 
     def capture_cuda_graphs(self, progress: bool = True) -> None:
-        """Capture the decode forward pass at every size (a no-op without graphs)."""
+        """Capture the forward pass at every graph key (a no-op without graphs)."""
         if not self.cuda_graphs.enabled:
             return
 
-        def prepare(size: int) -> int:  # an all-padding batch: empty queries, no slots
+        def prepare(size):  # an all-padding batch: empty queries, no slots
             self.query_start_loc.zero_()
             self.seq_lens.zero_()
             self.input_batch.block_table.slot_mapping.fill_(-1)
             return size
 
-        def forward(size: int, _: int) -> torch.Tensor:
+        def forward(size, _) -> torch.Tensor:
+            num_tokens = graph_shape(size)[1]
             with set_forward_context(self._graph_metadata(size)):
-                return self.model(self.input_ids[:size], self.positions[:size])
+                return self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 
         self.cuda_graphs.capture(prepare, forward, progress=progress)
 
@@ -243,8 +250,8 @@ class V1ModelRunner:
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         attn_metadata, logits_indices = self._prepare_inputs(num_scheduled)
         T = int(num_scheduled.sum())
-        graph_size = self.cuda_graphs.padded_size(len(req_ids), T)
-        if graph_size is not None:  # padding rows: seq_len 0, slot -1 (_prepare_inputs)
+        graph_size = self.cuda_graphs.graph_for(len(req_ids), T)
+        if graph_size is not None:  # padding: seq_len 0, slot -1 (_prepare_inputs, commit)
             hidden = self.cuda_graphs.replay(graph_size)                    # [size, hidden]
         else:
             with set_forward_context(attn_metadata):
