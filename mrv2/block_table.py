@@ -20,7 +20,7 @@ from mrv2.kernels.block_table import (
     compute_slot_mappings,
     gather_block_tables,
 )
-from mrv2.state import to_device_async
+from mrv2.state import packed_rows, to_device_async
 
 
 class BlockTables:
@@ -107,12 +107,8 @@ class BlockTables:
             return
         rows = sorted(self._staged)
         n = len(rows)
-        lens = np.array([len(self._staged[r][1]) for r in rows], dtype=np.int64)
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
-        packed = np.empty(n * NUM_WRITE_META + int(lens.sum()), dtype=np.int32)
-        meta = packed[:n * NUM_WRITE_META].reshape(n, NUM_WRITE_META)   # [n, 4]
-        tail = packed[n * NUM_WRITE_META:]                               # [L] flat ids
+        packed, meta, tail, starts = packed_rows(                        # meta [n, 4], tail [L]
+            NUM_WRITE_META, [len(self._staged[r][1]) for r in rows])
         for i, row in enumerate(rows):
             first, ids = self._staged[row]
             meta[i] = (row, first, len(ids), starts[i])

@@ -47,6 +47,30 @@ def to_device_async(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def packed_rows(num_meta: int, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray]:
+    """The layout every staged write uses: ``n`` header rows, then all payloads back to back.
+
+    One int32 buffer means one host->device copy for the whole batch of writes; the kernel
+    finds row ``i``'s payload at ``tail[starts[i]:starts[i] + lengths[i]]``.
+
+    Args:
+        num_meta: int32 header fields per row.
+        lengths: payload length of each of the ``n`` rows.
+
+    Returns:
+        ``(packed [n * num_meta + L], meta [n, num_meta], tail [L], starts [n])``:
+        ``meta`` and ``tail`` are views of ``packed`` for the caller to fill,
+        ``starts`` (int64) the offset of each payload in ``tail``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = lengths.size
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    packed = np.empty(n * num_meta + int(lengths.sum()), dtype=np.int32)
+    return packed, packed[:n * num_meta].reshape(n, num_meta), packed[n * num_meta:], starts
+
+
 class RequestStateTable:
     """Per-request device state in fixed rows, handed out from a CPU free list.
 
@@ -198,14 +222,10 @@ class RequestStateTable:
             return
         rows = sorted(self._staged)
         n = len(rows)
-        lens = np.array([self._staged[r][0].size for r in rows], dtype=np.int64)
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
-        packed_ints = np.empty(n * NUM_META + int(lens.sum()), dtype=np.int32)
-        meta = packed_ints[:n * NUM_META].reshape(n, NUM_META)    # [n, NUM_META]
+        packed_ints, meta, tail, starts = packed_rows(              # meta [n, NUM_META], tail [L]
+            NUM_META, [self._staged[r][0].size for r in rows])
         packed_floats = np.empty((n, len(FLOAT_PARAMS)), dtype=np.float32)
         packed_seeds = np.empty(n, dtype=np.int64)
-        tail = packed_ints[n * NUM_META:]                          # [L] flat token ids
         for i, row in enumerate(rows):
             ids, prompt_len, top_k, floats, seed = self._staged[row]
             meta[i] = (row, starts[i], ids.size, prompt_len, top_k)

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,3 +153,18 @@ def test_random_add_finish_preempt_sequences(seed):
         assert [r for r in table.req_ids if r is not None] == sorted(
             model, key=lambda q: model[q][0])
     assert rows_ever_used <= set(range(R)) and next_id > R    # more requests than rows
+
+
+def test_packed_rows_layout():
+    """Headers first, payloads back to back; meta and tail are views of the one buffer."""
+    from mrv2.state import packed_rows
+
+    packed, meta, tail, starts = packed_rows(2, [2, 0, 3])
+    assert packed.dtype == np.int32 and packed.shape == (3 * 2 + 5,)
+    assert meta.shape == (3, 2) and tail.shape == (5,)
+    assert starts.tolist() == [0, 2, 2]
+    meta[:] = [[7, 0], [8, 2], [9, 2]]
+    tail[:] = [1, 2, 3, 4, 5]
+    assert packed.tolist() == [7, 0, 8, 2, 9, 2, 1, 2, 3, 4, 5]
+    packed, meta, tail, starts = packed_rows(4, [])
+    assert packed.size == meta.size == tail.size == starts.size == 0

@@ -19,7 +19,7 @@ from mrv2.kernels.penalties import (
     apply_penalty_writes,
     update_output_counts,
 )
-from mrv2.state import to_device_async
+from mrv2.state import packed_rows, to_device_async
 
 
 def uses_penalties(sampling_params) -> bool:
@@ -94,18 +94,15 @@ class PenaltyState:
             return
         rows = sorted(self._staged)
         n = len(rows)
-        lens = [self._staged[r][0].size + self._staged[r][1].size for r in rows]
-        packed = np.empty(n * NUM_META + sum(lens), dtype=np.int32)
-        meta = packed[:n * NUM_META].reshape(n, NUM_META)              # [n, NUM_META]
-        tail = packed[n * NUM_META:]                                   # [L]
-        start = 0
+        packed, meta, tail, starts = packed_rows(                  # meta [n, NUM_META], tail [L]
+            NUM_META, [self._staged[r][0].size + self._staged[r][1].size for r in rows])
         longest = 1
         for i, row in enumerate(rows):
             prompt, output = self._staged[row]
+            start = starts[i]
             meta[i] = (row, start, prompt.size, output.size)
-            tail[start:start + prompt.size] = prompt
-            tail[start + prompt.size:start + lens[i]] = output
-            start += lens[i]
+            tail[start:start + prompt.size] = prompt                # the prompt, then the output
+            tail[start + prompt.size:start + prompt.size + output.size] = output
             longest = max(longest, prompt.size, output.size)
         self._staged.clear()
         apply_penalty_writes(to_device_async(packed, self.device), n,
