@@ -31,7 +31,16 @@ def test_kernel_matches_reference():
     R = 8
     table = RequestStateTable(R, 32, DEVICE)
     lb = LogitBiasState(R, V, DEVICE, max_logit_bias=100)
-    lb.ints.fill_(-1)  # a previous owner's garbage is overwritten
+    # Every row first belongs to a request with all three rules: the new owners below
+    # must not inherit them (a rule-less owner only gets its header zeroed).
+    every_rule = SamplingParams(max_tokens=None, logit_bias={3: 9.0}, allowed_token_ids=[3, 4],
+                                min_tokens=5)
+    every_rule.all_stop_token_ids = {4}
+    for row in range(R):
+        lb.add_request(row, every_rule)
+    lb.apply_staged_writes()
+    for row in range(R):
+        lb.remove_request(row)
     params, num_output = {}, {}
     for i in range(R):
         sp = _random_params(rng)
@@ -51,6 +60,35 @@ def test_kernel_matches_reference():
     for b, row in enumerate(rows):
         if not lb.row_active[row]:
             assert torch.equal(got[b], logits[b])
+
+
+def test_rule_less_rows_write_nothing_or_only_their_header():
+    """A request without rules stages nothing on a clean row, and only a header reset on a
+    row whose previous owner had rules; either way the kernel leaves its logits alone."""
+    table = RequestStateTable(2, 16, DEVICE)
+    lb = LogitBiasState(2, V, DEVICE)
+    plain = SamplingParams(max_tokens=None)
+    lb.add_request(0, plain)
+    assert not lb.has_staged_writes and not lb.row_active[0]   # clean row: nothing to write
+    ruled = SamplingParams(max_tokens=None, logit_bias={7: -100.0})
+    lb.add_request(1, ruled)
+    lb.apply_staged_writes()
+    assert lb.ints[1, 0].item() == 1                             # one bias entry
+    lb.remove_request(1)
+    lb.add_request(1, plain)                                     # a rule-less new owner
+    assert lb._staged == {1: None}                               # header reset only
+    lb.apply_staged_writes()
+    assert lb.ints[1, :4].tolist() == [0, 0, 0, 0]
+    assert lb.ints[1, 4].item() == 7                             # the rest is never read
+    for row in (0, 1):
+        table.add_request(f"r{row}", [1, 2], 2)
+    table.apply_staged_writes()
+    lb.add_request(0, ruled)                                     # a batch with a rule somewhere
+    lb.apply_staged_writes()
+    logits = torch.randn(2, V, device=DEVICE)
+    got = lb.apply(logits.clone(), torch.tensor([1, 0], dtype=torch.int32, device=DEVICE), table)
+    assert torch.equal(got[0], logits[0])                        # row 1: untouched
+    assert got[1, 7].item() == pytest.approx(logits[1, 7].item() - 100.0)
 
 
 def test_min_tokens_lifts_once_enough_tokens_were_generated():

@@ -2,7 +2,8 @@
 
 Each is a per-request rule that V1 applied by looping over the batch on the CPU.
 Here every state-table row stores its rule in fixed-size device arrays, written once
-at admission (staged: two host->device copies and two indexed copies per step),
+at admission (staged: two host->device copies and two indexed copies per step; a request
+without rules writes nothing, or only zeroes the 4 header ints a previous owner left),
 and one Triton kernel applies all three to the ``[B, V]`` logits through
 ``idx_mapping``. ``min_tokens`` needs the number of tokens a row has generated: the
 state table already holds it on the device as ``total_len - prompt_len`` (also for a
@@ -110,7 +111,10 @@ class LogitBiasState:
         self.bias_values = torch.zeros(max_num_reqs, max_logit_bias, dtype=torch.float32,
                                        device=self.device)
         self.row_active = np.zeros(max_num_reqs, dtype=bool)
-        self._staged: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (ints, floats)
+        # Rows whose device header may be non-zero (a previous owner had rules).
+        self._dirty = np.zeros(max_num_reqs, dtype=bool)
+        # row -> (ints, floats) of a row with rules, or None: zero the row's header only.
+        self._staged: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
 
     @property
     def has_staged_writes(self) -> bool:
@@ -145,19 +149,29 @@ class LogitBiasState:
         if stop.size > self.max_stop_ids:
             raise ValueError(f"row {row}: {stop.size} stop token ids, more than "
                              f"max_stop_ids={self.max_stop_ids}")
+        allowed = (None if sp.allowed_token_ids is None
+                   else self._ids(row, sp.allowed_token_ids, "allowed_token_ids"))
+        self.row_active[row] = bool(bias_ids.size or stop.size or allowed is not None)
+        if not self.row_active[row]:
+            # NOTE: the kernel reads only the 4 header ints of a row without rules (a
+            # 20 KB row per request was copied before): zero them if a previous owner
+            # left rules there; otherwise there is nothing to write.
+            if self._dirty[row]:
+                self._staged[row] = None
+            else:
+                self._staged.pop(row, None)
+            return
         ints = np.zeros(self.ints.shape[1], dtype=np.int32)
         floats = np.zeros(self.max_logit_bias, dtype=np.float32)
-        ints[:NUM_META] = (bias_ids.size, sp.min_tokens, stop.size, sp.allowed_token_ids is not None)
+        ints[:NUM_META] = (bias_ids.size, sp.min_tokens, stop.size, allowed is not None)
         ints[self.bias_off:self.bias_off + bias_ids.size] = bias_ids
         floats[:bias_ids.size] = [float(bias[int(t)]) for t in bias_ids]
         ints[self.stop_off:self.stop_off + stop.size] = stop
-        if sp.allowed_token_ids is not None:
-            allowed = self._ids(row, sp.allowed_token_ids, "allowed_token_ids")
+        if allowed is not None:
             bits = np.zeros(self.ints.shape[1] - self.allowed_off, dtype=np.uint32)
             np.bitwise_or.at(bits, allowed >> 5, (np.uint32(1) << (allowed & 31).astype(np.uint32)))
             ints[self.allowed_off:] = bits.view(np.int32)
         self._staged[row] = (ints, floats)
-        self.row_active[row] = bool(bias_ids.size or stop.size or sp.allowed_token_ids is not None)
 
     def remove_request(self, row: int) -> None:
         """Free ``row``; its device contents are overwritten by the next owner's write."""
@@ -165,16 +179,24 @@ class LogitBiasState:
         self.row_active[row] = False
 
     def apply_staged_writes(self) -> None:
-        """Write the staged rows: three host->device copies, two indexed copies, no sync."""
+        """Write the staged rows with rules (three host->device copies, two indexed copies)
+        and zero the headers to clear (one copy, one fill); no sync."""
         if not self._staged:
             return
-        rows = sorted(self._staged)
-        packed_ints = np.stack([self._staged[r][0] for r in rows])      # [n, width]
-        packed_floats = np.stack([self._staged[r][1] for r in rows])    # [n, max_logit_bias]
+        rows = sorted(r for r, w in self._staged.items() if w is not None)
+        clear = sorted(r for r, w in self._staged.items() if w is None)
+        if rows:
+            packed_ints = np.stack([self._staged[r][0] for r in rows])      # [n, width]
+            packed_floats = np.stack([self._staged[r][1] for r in rows])    # [n, max_logit_bias]
+            rows_dev = to_device_async(np.asarray(rows, dtype=np.int64), self.device)
+            self.ints.index_copy_(0, rows_dev, to_device_async(packed_ints, self.device))
+            self.bias_values.index_copy_(0, rows_dev, to_device_async(packed_floats, self.device))
+            self._dirty[rows] = True
+        if clear:
+            clear_dev = to_device_async(np.asarray(clear, dtype=np.int64), self.device)
+            self.ints[:, :NUM_META].index_fill_(0, clear_dev, 0)            # a view: in place
+            self._dirty[clear] = False
         self._staged.clear()
-        rows_dev = to_device_async(np.asarray(rows, dtype=np.int64), self.device)
-        self.ints.index_copy_(0, rows_dev, to_device_async(packed_ints, self.device))
-        self.bias_values.index_copy_(0, rows_dev, to_device_async(packed_floats, self.device))
 
     def apply(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state) -> torch.Tensor:
         """Apply allowed ids, then biases, then the min_tokens ban, in place (one launch).
