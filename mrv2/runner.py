@@ -186,7 +186,8 @@ class ModelRunner:
             # A uniform decode batch replays the CUDA graph of the next captured size, a
             # small prefill / mixed batch the smallest prefill graph that holds it.
             graph_size = self.cuda_graphs.graph_for(num_reqs, sched.total_num_scheduled_tokens)
-            reqs_pad, tokens_pad, _ = graph_shape(graph_size) if graph_size else (None, None, 0)
+            reqs_pad, tokens_pad, _ = (graph_shape(graph_size) if graph_size is not None
+                                       else (None, None, None))
             batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
                                         num_scheduled, max_query_len=max(num_scheduled),
                                         max_seq_len=sched.max_seq_len,

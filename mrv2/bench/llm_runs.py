@@ -239,8 +239,7 @@ def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
         Runner name -> ``(figures, model_info)`` as :func:`run_throughput`; a runner that
         fails to build gets ``({"error": ..., "traceback": ...}, None)``.
     """
-    import traceback
-
+    from mrv2.bench.report import error_row
     from mrv2.bench.roofline import model_info
     from mrv2.bench.timing import interleaved_latency_rows
 
@@ -250,9 +249,7 @@ def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
         try:
             llm = build_llm(spec, name, sizes)
         except Exception as e:  # noqa: BLE001  (the other runners still run)
-            log(f"[bench] {name}: FAILED: {type(e).__name__}: {e}")
-            out[name] = ({"error": f"{type(e).__name__}: {e}",
-                          "traceback": traceback.format_exc()}, None)
+            out[name] = (error_row(name, e, log), None)
             continue
         res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
         res["warmup_s"] = sum(warm_up(llm, w, w.num_requests, 3) for w in batches)

@@ -110,6 +110,17 @@ def _jsonable(x):
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
+def error_row(name: str, e: Exception, log=print) -> dict:
+    """Log a runner's failure and return its row for the JSON (the error and traceback).
+
+    Call it inside the ``except`` block (the traceback is the one being handled).
+    """
+    import traceback
+
+    log(f"[bench] {name}: FAILED: {type(e).__name__}: {e}")
+    return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
 def _f(x, fmt: str) -> str:
     """``x`` formatted, or a right-aligned "-" of the same width when it is missing."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):

@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import traceback
 from dataclasses import dataclass, field
 
 from mrv2 import platform
 from mrv2.bench import hf_runs, llm_runs
-from mrv2.bench.report import REPO_ROOT, environment
+from mrv2.bench.report import REPO_ROOT, environment, error_row
 from mrv2.bench.roofline import copy_bandwidth, decode_roofline, workload_roofline
 from mrv2.bench.timing import free_device_memory
 from mrv2.bench.workloads import make_workload, random_workload
@@ -110,8 +109,7 @@ def _guarded(name: str, fn, log) -> tuple[dict, dict | None]:
     try:
         res, info = fn()
     except Exception as e:  # noqa: BLE001  (one broken runner must not lose the others)
-        log(f"[bench] {name}: FAILED: {type(e).__name__}: {e}")
-        res, info = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, None
+        res, info = error_row(name, e, log), None
     res["memory_after_free"] = free_device_memory()
     return res, info
 
@@ -263,8 +261,7 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
             measured = llm_runs.run_latency(spec, mrv2_runners, sizes, batches, iters=iters,
                                             log=log)
         except Exception as e:  # noqa: BLE001  (hf may still run)
-            log(f"[bench] {', '.join(mrv2_runners)}: FAILED: {type(e).__name__}: {e}")
-            error = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            error = error_row(", ".join(mrv2_runners), e, log)
             measured = {n: (dict(error), None) for n in mrv2_runners}
         memory = free_device_memory()
         for name, (res, runner_info) in measured.items():
