@@ -22,17 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+# Lanes per iteration of the token copy: one compiled variant for every prompt length.
+from mrv2.kernels.block_table import COPY_BLOCK
+
 #: Fields per staged row at the head of ``packed_ints``.
 META_FIELDS = ("row", "token_start", "num_tokens", "prompt_len", "top_k")
 NUM_META = len(META_FIELDS)
 #: The float sampling parameters, in the row order of ``RequestStateTable.float_params``.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty")
-
-
-#: Lanes per iteration of the token copy: fixed, so one compiled variant serves every
-#: prompt length (see ``mrv2/kernels/block_table.py``'s ``COPY_BLOCK``).
-COPY_BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["num_staged"])
