@@ -32,6 +32,9 @@ EOS = "<|endoftext|>"
 PROMPTS = ("ROMEO:", "First Citizen:")
 FULL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+#: A smaller model for speculative decoding against FULL: same tokenizer, a quarter the width.
+DRAFT = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 SMOKE = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
@@ -51,6 +54,12 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model, 8 steps (CPU, seconds)")
+    p.add_argument("--preset", choices=("full", "draft"), default="full",
+                   help="model size: the embedded model, or the smaller draft model that "
+                        "speculative decoding pairs with it")
+    p.add_argument("--tokenizer", default=None,
+                   help="reuse this tokenizer folder instead of training one (a draft model "
+                        "must share its target's vocabulary)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     args = p.parse_args(argv)
     if args.smoke:
@@ -161,7 +170,12 @@ def train(args, device, command) -> dict:
     text = text[:200_000] if args.smoke else text
     split = int(0.9 * len(text))
     train_text, val_text = text[:split], text[split:]
-    tok = train_tokenizer(train_text, args.vocab_size)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tok = train_tokenizer(train_text, args.vocab_size)
     eos_id = tok.convert_tokens_to_ids(EOS)
     sample = val_text[:1000] + "  Odd: café ünïcödé → 世界 🎭\n\t x"
     assert tok.decode(tok.encode(sample)) == sample, "tokenizer round-trip failed"
@@ -177,7 +191,7 @@ def train(args, device, command) -> dict:
     config = Qwen3Config(vocab_size=len(tok), max_position_embeddings=1024, rope_theta=1e6,
                          tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=eos_id,
                          eos_token_id=eos_id, pad_token_id=eos_id,
-                         **(SMOKE if args.smoke else FULL))
+                         **(SMOKE if args.smoke else DRAFT if args.preset == "draft" else FULL))
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     add_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())  # the tied embedding counts once
@@ -298,6 +312,20 @@ def train(args, device, command) -> dict:
     return stats
 
 
+def _purpose(args) -> str:
+    if args.preset == "draft":
+        return ("A smaller tiny Qwen3 (`Qwen3ForCausalLM`) trained from scratch by mrv2's own script,\n"
+                "`scripts/train_tiny_qwen3.py --preset draft`, on the same data and with the same\n"
+                "tokenizer as the embedded default model (`tiny-qwen3-shakespeare`). mrv2 ships it as\n"
+                "that model's **draft model for speculative decoding** (`speculative_config=\n"
+                "{\"method\": \"draft_model\", ...}`), so acceptance rates in the tests, the\n"
+                "benchmarks and chapter 09 are real. It is a toy, not a useful language model.")
+    return ("A tiny Qwen3 (`Qwen3ForCausalLM`) trained from scratch by mrv2's own script,\n"
+            "`scripts/train_tiny_qwen3.py`. mrv2 ships it as its embedded default model for demos,\n"
+            "the notebooks, tests and CI, so they generate Shakespeare-like text with no download.\n"
+            "It is a toy, not a useful language model.")
+
+
 def model_card(args, s, greedy, c, n_new) -> str:
     samples = "\n\n".join(f"Prompt `{p}`:\n\n```text\n{t}\n```" for p, t in greedy.items())
     train_ppl = math.exp(s["final_train_loss"])
@@ -308,12 +336,9 @@ pipeline_tag: text-generation
 tags: [qwen3, tiny, mrv2, shakespeare]
 ---
 
-# tiny-qwen3-shakespeare
+# {Path(args.out).name}
 
-A tiny Qwen3 (`Qwen3ForCausalLM`) trained from scratch by mrv2's own script,
-`scripts/train_tiny_qwen3.py`. mrv2 ships it as its embedded default model for demos,
-the notebooks, tests and CI, so they generate Shakespeare-like text with no download.
-It is a toy, not a useful language model.
+{_purpose(args)}
 
 ## Data
 Tiny Shakespeare (`input.txt` of karpathy/char-rnn, ~1.1 MB of public-domain Shakespeare).
@@ -321,7 +346,7 @@ Split by characters: the first 90% for training ({s['train_tokens']:,} tokens), 
 for validation ({s['val_tokens']:,} tokens).
 
 ## Tokenizer
-Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
+{"The target's tokenizer, reused (`--tokenizer`): " if args.tokenizer else ""}Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
 (`<|endoftext|>` = id 0, the 256 bytes, merges). `<|endoftext|>` is EOS, BOS and pad; no
 token is added when encoding. ByteLevel pre-tokenizer (no prefix space) and decoder, so
 `decode(encode(x)) == x`.
