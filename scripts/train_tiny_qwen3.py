@@ -346,7 +346,7 @@ Split by characters: the first 90% for training ({s['train_tokens']:,} tokens), 
 for validation ({s['val_tokens']:,} tokens).
 
 ## Tokenizer
-{"The target's tokenizer, reused (`--tokenizer`): " if args.tokenizer else ""}Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
+{"The target's tokenizer, reused (`--tokenizer`):\n" if args.tokenizer else ""}Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
 (`<|endoftext|>` = id 0, the 256 bytes, merges). `<|endoftext|>` is EOS, BOS and pad; no
 token is added when encoding. ByteLevel pre-tokenizer (no prefix space) and decoder, so
 `decode(encode(x)) == x`.
