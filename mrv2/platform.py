@@ -53,16 +53,22 @@ def _interpreter_options():
     return opts if dataclasses.is_dataclass(opts) else None
 
 
-def missing_triton_internals() -> list[str]:
+def missing_triton_internals(interpreter: bool | None = None) -> list[str]:
     """The private Triton pieces mrv2's interpreter speed-ups use that this Triton lacks.
 
     Each is optional (mrv2 falls back to the slower public path), but a missing one means
     Triton changed under us: ``tests/test_triton_internals.py`` reports it by name.
 
+    Args:
+        interpreter: check the interpreter's pieces (default: when it is on; compiled
+            kernels use no private Triton piece).
+
     Returns:
         Human-readable names of the missing internals (empty: all present).
     """
     missing = []
+    if not (TRITON_INTERPRET if interpreter is None else interpreter):
+        return missing
     opts = _interpreter_options()
     if opts is None or "sanitize_overflow" not in {f.name for f in dataclasses.fields(opts)}:
         missing.append("triton.runtime.interpreter.interpreter_builder.options.sanitize_overflow")
