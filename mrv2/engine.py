@@ -21,9 +21,25 @@ from __future__ import annotations
 import contextlib
 
 from mrv2.request import Request
+from mrv2.runner_interface import RunnerInterface
 from mrv2.sample.logprobs import make_logprob_dict
 from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
 from mrv2.scheduler import Scheduler, SchedulerOutput
+
+
+class StepCallback:
+    """Hooks the engine calls around every step (override the ones you need).
+
+    ``on_launch`` runs right after ``runner.execute_model`` returned, ``on_output`` when
+    that step's output has arrived, before it is applied to the requests (with async
+    scheduling, one call of ``Engine.step`` later). ``step`` counts launches from 0.
+    """
+
+    def on_launch(self, step: int, sched: SchedulerOutput) -> None:
+        """A step was launched (its output is not ready yet)."""
+
+    def on_output(self, step: int, sched: SchedulerOutput, output) -> None:
+        """The ``StepOutput`` of launch ``step`` arrived; the requests are not updated yet."""
 
 
 class Engine:
@@ -31,22 +47,26 @@ class Engine:
 
     Args:
         scheduler: plans each step.
-        runner: anything with ``execute_model(SchedulerOutput) -> output`` whose
-            ``get_output()`` gives a ``StepOutput`` (``mrv2.async_output``).
+        runner: a ``RunnerInterface`` (``execute_model(SchedulerOutput)`` returns an
+            output whose ``get_output()`` gives a ``StepOutput``).
         tokenizer: for stop strings and output text (``None``: token ids only).
         max_model_len: a request ends with ``"length"`` when it reaches it.
         async_scheduling: launch step N+1 before processing step N's output.
     """
 
-    def __init__(self, scheduler: Scheduler, runner, tokenizer=None, max_model_len: int = 4096,
-                 async_scheduling: bool = False):
+    def __init__(self, scheduler: Scheduler, runner: RunnerInterface, tokenizer=None,
+                 max_model_len: int = 4096, async_scheduling: bool = False):
         self.async_scheduling = async_scheduling
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_steps = 0
-        self._pending: tuple[SchedulerOutput, object] | None = None  # launched, unprocessed
+        self._num_launches = 0
+        # (launch index, sched, output) launched, not yet processed.
+        self._pending: tuple[int, SchedulerOutput, object] | None = None
+        #: ``StepCallback`` objects called around every step, in order.
+        self.callbacks: list[StepCallback] = []
         self._timeline = None
 
     @property
@@ -57,8 +77,7 @@ class Engine:
     @timeline.setter
     def timeline(self, tl) -> None:
         self._timeline = tl
-        if hasattr(self.runner, "timeline"):
-            self.runner.timeline = tl
+        self.runner.timeline = tl
 
     def _cpu(self, name: str):
         return self._timeline.cpu(name) if self._timeline is not None else contextlib.nullcontext()
@@ -82,8 +101,11 @@ class Engine:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV pool")
         launched = None
         if not sched.is_empty or sched.finished_req_ids:
-            launched = (sched, self.runner.execute_model(sched))
+            launched = (self._num_launches, sched, self.runner.execute_model(sched))
+            self._num_launches += 1
             self.num_steps += not sched.is_empty
+            for cb in self.callbacks:
+                cb.on_launch(*launched[:2])
         if not self.async_scheduling:
             finished = self._process(*launched) if launched is not None else []
         else:
@@ -95,10 +117,12 @@ class Engine:
             self._timeline.next_step()
         return finished
 
-    def _process(self, sched: SchedulerOutput, output) -> list[Request]:
+    def _process(self, launch: int, sched: SchedulerOutput, output) -> list[Request]:
         """Wait for one step's output (its event only) and apply it to the requests."""
         with self._cpu("wait"):
             out = output.get_output()
+        for cb in self.callbacks:
+            cb.on_output(launch, sched, out)
         with self._cpu("output"):
             return self._apply(sched, out)
 

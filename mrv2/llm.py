@@ -8,7 +8,6 @@ and returns one ``RequestOutput`` per prompt, in input order.
 
 from __future__ import annotations
 
-import math
 import random
 import warnings
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from mrv2 import platform
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.engine import Engine
 from mrv2.kv_cache import KVCacheManager, cdiv
+from mrv2.model_state import ModelState
 from mrv2.outputs import CompletionOutput, RequestOutput
 from mrv2.request import Request
 from mrv2.sampling_params import SamplingParams
@@ -134,8 +134,7 @@ class LLM:
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,
                                   logits_processors=logits_processors, **extra)
-        if hasattr(self.runner, "capture_cuda_graphs"):
-            self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
+        self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
@@ -147,11 +146,8 @@ class LLM:
     # -- set-up -----------------------------------------------------------------
 
     def _kv_bytes_per_block(self) -> int:
-        from mrv2.models.qwen3 import kv_cache_shape, model_dims
-
-        shape = kv_cache_shape(self.hf_config, 1, self.cache_config.block_size)
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return model_dims(self.hf_config).num_layers * math.prod(shape) * elem
+        return ModelState.kv_bytes_per_block(self.hf_config, self.cache_config.block_size,
+                                             self.dtype)
 
     def _auto_num_blocks(self) -> int:
         """Blocks for the KV pool: what memory allows (GPU) or what the limits need (CPU)."""
@@ -241,18 +237,10 @@ class LLM:
                           ("allowed_token_ids", sp.allowed_token_ids or ())):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
-        rules = getattr(self.runner, "logit_bias", None)  # the V1 baseline has none
-        if rules is not None and len(sp.logit_bias or ()) > rules.max_logit_bias:
-            raise ValueError(f"SamplingParams.logit_bias has {len(sp.logit_bias)} entries; "
-                             f"at most {rules.max_logit_bias}")
-        if rules is not None and len(sp.stop_token_ids) + len(self.eos_token_ids) > rules.max_stop_ids:
-            raise ValueError(f"SamplingParams.stop_token_ids: at most "
-                             f"{rules.max_stop_ids - len(self.eos_token_ids)} ids")
         if sp.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        validate = getattr(self.runner, "validate_params", None)
-        if validate is not None:  # a runner may support fewer features (the V1 baseline)
-            validate(sp)
+        # Capacity limits and unsupported features (the V1 baseline supports fewer).
+        self.runner.validate_params(sp, len(self.eos_token_ids))
 
     def _make_request(self, text, ids, sp: SamplingParams, index: int) -> Request:
         sp = sp.clone()
@@ -262,9 +250,8 @@ class LLM:
         elif index:
             sp.seed += index  # the n completions of a seeded prompt differ, reproducibly
         sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-        req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text)
-        req.index = index
-        req.user_seeded = user_seeded  # the V1 baseline keeps a generator only for these
+        req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text,
+                      index=index, user_seeded=user_seeded)
         self._counter += 1
         return req
 

@@ -13,6 +13,9 @@ MRV2 moves them into a ``ModelState`` that the runner calls at fixed points:
 5. ``capture_cuda_graphs(graphs, make_dummy_batch)`` and ``run(batch, graph_size)``:
    warm-up and capture on dummy batches, then replay or run eagerly.
 
+6. ``make_kv_caches`` / ``kv_bytes_per_block`` / ``model_dims``: the model's KV-cache
+   layout (one tensor per layer) and its binding to the attention layers.
+
 The runner never touches the model directly, so a new model family is a new
 ``ModelState``, not a new branch in the runner. ``ModelState`` itself serves
 decoder-only text models (Qwen3, Llama). See
@@ -22,6 +25,7 @@ notebooks/08_model_state_and_cuda_graphs.ipynb.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -29,6 +33,8 @@ import torch
 from mrv2.cuda_graphs import CudaGraphManager, GraphKey, graph_shape
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.input_batch import InputBatch
+from mrv2.models.qwen3 import ModelDims, bind_kv_cache, kv_cache_shape
+from mrv2.models.qwen3 import model_dims as _model_dims
 
 
 class ModelState:
@@ -44,6 +50,35 @@ class ModelState:
         self.model = model
         self.max_model_len = max_model_len
         self.graphs: CudaGraphManager | None = None
+
+    # -- the KV-cache layout (class-level: the engine sizes the pool before any runner) ---
+
+    @classmethod
+    def model_dims(cls, hf_config) -> ModelDims:
+        """Layer / head / vocabulary sizes read from a Hugging Face config."""
+        return _model_dims(hf_config)
+
+    @classmethod
+    def kv_bytes_per_block(cls, hf_config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one KV block takes over all layers (sizes the pool)."""
+        shape = kv_cache_shape(hf_config, 1, block_size)
+        elem = torch.empty((), dtype=dtype).element_size()
+        return cls.model_dims(hf_config).num_layers * math.prod(shape) * elem
+
+    @classmethod
+    def make_kv_caches(cls, model: torch.nn.Module, hf_config, num_blocks: int,
+                       block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+        """Allocate one zeroed KV cache per layer and bind it to the model's attention.
+
+        Returns:
+            The caches, each ``[2, num_blocks, block_size, H_kv, D]``.
+        """
+        shape = kv_cache_shape(hf_config, num_blocks, block_size)
+        kv_caches = [torch.zeros(shape, dtype=dtype, device=device)  # [2, blocks, bs, H_kv, D]
+                     for _ in range(cls.model_dims(hf_config).num_layers)]
+        bind_kv_cache(model, kv_caches)
+        return kv_caches
 
     # -- the per-step interface --------------------------------------------------
 

@@ -11,6 +11,7 @@ and there are no side streams and no CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -34,25 +35,88 @@ if not HAS_CUDA:
             "switch to the interpreter: `import mrv2` first (before transformers models), or "
             "set TRITON_INTERPRET=1 in the environment")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:  # NOTE: the interpreter checks every int32 op for overflow, yet its device_assert is a
-        # no-op: the check costs ~40% of a kernel's time and can never fire. Turn it off.
-        import dataclasses
 
+#: True when Triton kernels run in the interpreter (slow: keep grids small).
+TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: The Triton versions this code is tested with (pyproject.toml pins the same range).
+SUPPORTED_TRITON = ">=3.6,<3.10"
+
+
+def _interpreter_options():
+    """Triton's interpreter builder options (a private dataclass), or ``None`` if gone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    opts = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
+    return opts if dataclasses.is_dataclass(opts) else None
+
+
+def missing_triton_internals(interpreter: bool | None = None) -> list[str]:
+    """The private Triton pieces mrv2's interpreter speed-ups use that this Triton lacks.
+
+    Each is optional (mrv2 falls back to the slower public path), but a missing one means
+    Triton changed under us: ``tests/test_triton_internals.py`` reports it by name.
+
+    Args:
+        interpreter: check the interpreter's pieces (default: when it is on; compiled
+            kernels use no private Triton piece).
+
+    Returns:
+        Human-readable names of the missing internals (empty: all present).
+    """
+    missing = []
+    if not (TRITON_INTERPRET if interpreter is None else interpreter):
+        return missing
+    opts = _interpreter_options()
+    if opts is None or "sanitize_overflow" not in {f.name for f in dataclasses.fields(opts)}:
+        missing.append("triton.runtime.interpreter.interpreter_builder.options.sanitize_overflow")
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        missing.append("triton.runtime.interpreter.InterpretedFunction")
+    else:
+        if not callable(getattr(InterpretedFunction, "rewrite", None)):
+            missing.append("InterpretedFunction.rewrite (a @triton.jit helper's Python body)")
+    return missing
+
+
+def interpreter_body(fn):
+    """A ``@triton.jit`` helper as the kernels should call it on this platform.
+
+    Under the interpreter every call of a jit helper re-patches ``triton.language``
+    (~1.5 ms a call), so the kernels call its plain Python body (Triton's private
+    ``rewrite()``) there; compiled, or when this Triton has no ``rewrite``, the helper
+    itself (correct, only slower in the interpreter).
+
+    Args:
+        fn: a ``@triton.jit`` function.
+
+    Returns:
+        ``fn.rewrite()`` under the interpreter when available, else ``fn``.
+    """
+    rewrite = getattr(fn, "rewrite", None)
+    if not TRITON_INTERPRET or not callable(rewrite):
+        return fn
+    return rewrite()
+
+
+if TRITON_INTERPRET:
+    # NOTE: the interpreter checks every int32 op for overflow, yet its device_assert is a
+    # no-op: the check costs ~40% of a kernel's time and can never fire. Turn it off where
+    # this Triton has the (private) option; elsewhere keep its default.
+    _opts = _interpreter_options()
+    if _opts is not None and "sanitize_overflow" in {f.name for f in dataclasses.fields(_opts)}:
         from triton.runtime import interpreter as _interp
 
-        _b = _interp.interpreter_builder
-        _b.options = dataclasses.replace(_b.options, sanitize_overflow=False)
-    except (ImportError, AttributeError, TypeError):  # another Triton layout: keep its default
-        pass
+        _interp.interpreter_builder.options = dataclasses.replace(_opts, sanitize_overflow=False)
 
 #: The device every mrv2 tensor lives on.
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
 
 #: The default compute dtype: bf16 on the GPU, fp32 under the Triton interpreter.
 DEFAULT_DTYPE: torch.dtype = torch.bfloat16 if HAS_CUDA else torch.float32
-
-#: True when Triton kernels run in the interpreter (slow: keep grids small).
-TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

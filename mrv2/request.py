@@ -29,7 +29,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival: int, prompt: str | None = None):
+                 arrival: int, prompt: str | None = None, index: int = 0,
+                 user_seeded: bool | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -41,7 +42,11 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.user_seeded = sampling_params.seed is not None
+        # The i-th of the n completions of one prompt.
+        self.index = index
+        # The user gave a seed (``None``: read it from ``sampling_params`` now); the V1
+        # baseline keeps a generator only for these.
+        self.user_seeded = sampling_params.seed is not None if user_seeded is None else user_seeded
         # Tokens being sampled by steps in flight, not yet seen by the engine.
         self.num_output_placeholders = 0
         # Extras filled by the engine (detokenized text, logprobs, ...).

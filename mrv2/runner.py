@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 from mrv2.async_output import AsyncOutput
@@ -31,21 +30,16 @@ from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes, graph_shape, prefill_capture_sizes
 from mrv2.input_batch import InputBatch, InputBuffers, prepare_input_batch
-from mrv2.kernels.input_prep import post_update
-from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.kv_cache import cdiv
 from mrv2.model_state import ModelState
-from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
-from mrv2.sample import Sampler, SamplingMetadata
-from mrv2.sample.logit_bias import LogitBiasState
-from mrv2.sample.logits_processors import LogitsProcessor, apply_logits_processors
-from mrv2.sample.penalties import PenaltyState, uses_penalties
+from mrv2.runner_interface import RunnerInterface
+from mrv2.sample import Sampler, SamplingStates
 from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
-from mrv2.state import RequestStateTable
+from mrv2.state import RequestStateTable, apply_scheduler_output
 
 
-class ModelRunner:
+class ModelRunner(RunnerInterface):
     """Executes scheduled steps on one device with a stable request-state table.
 
     Args:
@@ -59,7 +53,8 @@ class ModelRunner:
         prefill_graphs: also capture graphs for small prefill / mixed steps
             (``mrv2.cuda_graphs``); off: only uniform decode steps replay a graph.
         logits_processors: ``LogitsProcessor`` instances, or factories called as
-            ``factory(max_num_reqs, device)``, applied to every step's logits in order.
+            ``factory(max_num_reqs, device)``, applied to every step's logits in order
+            (held by the sampler's ``SamplingStates``).
         model_state_cls: the ``ModelState`` class to use (default: ``ModelState``),
             built as ``model_state_cls(model, max_model_len)``.
     """
@@ -74,29 +69,18 @@ class ModelRunner:
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.block_size = cache_config.block_size
-        self.vocab_size = model_dims(hf_config).vocab_size
+        self.vocab_size = model_state_cls.model_dims(hf_config).vocab_size
         self.state = RequestStateTable(self.max_num_reqs, scheduler_config.max_model_len, device)
         self.block_tables = BlockTables(
             self.max_num_reqs, cdiv(scheduler_config.max_model_len, self.block_size),
             self.block_size, self.max_num_tokens, device)
         self.buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, device)
-        shape = kv_cache_shape(hf_config, num_blocks, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)  # [2, blocks, bs, H_kv, D]
-                          for _ in range(model_dims(hf_config).num_layers)]
-        bind_kv_cache(model, self.kv_caches)
-        self.sampler = Sampler()
-        # CPU-side flags per row: enough to pick the sampler's code path without a sync.
-        self._row_greedy = np.ones(self.max_num_reqs, dtype=bool)
-        self._row_top_kp = np.zeros(self.max_num_reqs, dtype=bool)
-        self._row_logprobs = np.full(self.max_num_reqs, -1, dtype=np.int64)  # k, or -1: none
+        self.kv_caches = model_state_cls.make_kv_caches(model, hf_config, num_blocks,
+                                                        self.block_size, dtype, self.device)
+        # Every per-row sampling setting, rule and history lives in the sampler's states.
+        self.sampler = Sampler(SamplingStates(self.max_num_reqs, self.vocab_size, device,
+                                              logits_processors))
         self.prompt_logprobs = PromptLogprobsAccumulator(self.model_state.compute_logits)
-        self.logit_bias = LogitBiasState(self.max_num_reqs, self.vocab_size, device)
-        # NOTE: [rows, vocab] counts are large: made at the first request with penalties.
-        self.penalties: PenaltyState | None = None
-        self._row_penalized = np.zeros(self.max_num_reqs, dtype=bool)
-        self.logits_processors: list[LogitsProcessor] = [
-            p if isinstance(p, LogitsProcessor) else p(self.max_num_reqs, device)
-            for p in logits_processors]
         self.timeline = None  # a mrv2.timeline.Timeline, set by the engine when recording
         use_graphs = self.device.type == "cuda" and not enforce_eager
         self.cuda_graphs = CudaGraphManager(
@@ -125,50 +109,19 @@ class ModelRunner:
 
     # -- state updates (staged, one launch each) ---------------------------------
 
+    def validate_params(self, sampling_params, num_eos_ids: int = 0) -> None:
+        """Raise ``ValueError`` naming the field when a request exceeds a per-row capacity."""
+        self.sampler.states.validate(sampling_params, num_eos_ids)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
-        for req_id in sorted(sched.finished_req_ids):  # sorted: rows do not depend on hashing
-            if req_id in self.state:
-                row = self.state.remove_request(req_id)
-                self.logit_bias.remove_request(row)
-                if self.penalties is not None:
-                    self.penalties.remove_request(row)
-                for proc in self.logits_processors:
-                    proc.remove_request(row)
+        apply_scheduler_output(sched, self.state, self.block_tables, self.sampler.states)
+        for req_id in sched.finished_req_ids:
             if req_id not in sched.preempted_req_ids:  # a preempted request keeps its results
                 self.prompt_logprobs.remove_request(req_id)
         for new in sched.new_reqs:
-            sp = new.request.sampling_params
-            row = self.state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, {
-                "temperature": sp.temperature, "top_k": sp.top_k if sp.top_k > 0 else -1,
-                "top_p": sp.top_p, "min_p": sp.min_p, "seed": sp.seed,
-                "repetition_penalty": sp.repetition_penalty,
-                "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty})
-            self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
-            prompt = new.prefill_token_ids[:new.prompt_len]
-            self.logit_bias.add_request(row, sp)
-            for proc in self.logits_processors:
-                proc.add_request(row, prompt, sp)
-            self._row_penalized[row] = uses_penalties(sp)
-            if self._row_penalized[row]:
-                if self.penalties is None:
-                    self.penalties = PenaltyState(self.max_num_reqs, self.vocab_size, self.device)
-                self.penalties.add_request(row, prompt, new.prefill_token_ids[new.prompt_len:])
-            self._row_greedy[row] = sp.greedy
-            self._row_top_kp[row] = sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0
-            k = sp.logprobs
-            self._row_logprobs[row] = -1 if k is None else (self.vocab_size if k == -1 else k)
-            if sp.prompt_logprobs is not None:
+            if new.request.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs.add_request(new.req_id, new.prefill_token_ids[:new.prompt_len],
-                                                 sp.prompt_logprobs)
-        for req_id, block_ids in sched.new_block_ids.items():
-            self.block_tables.append_block_ids(self.state.row_of(req_id), block_ids, overwrite=False)
-        self.state.apply_staged_writes()
-        self.block_tables.apply_staged_writes()
-        self.logit_bias.apply_staged_writes()
-        if self.penalties is not None:
-            self.penalties.apply_staged_writes()
-        for proc in self.logits_processors:
-            proc.apply_staged_writes()
+                                                 new.request.sampling_params.prompt_logprobs)
 
     # -- one step -------------------------------------------------------------------
 
@@ -202,40 +155,15 @@ class ModelRunner:
 
     def _sample(self, batch: InputBatch, rows: list[int], num_scheduled: list[int],
                 hidden: torch.Tensor) -> AsyncOutput:
-        """Logits of each request's last token -> logit rules -> sampler -> post-update."""
+        """Logits of each request's last token -> sampler -> append the samples."""
         num_reqs = batch.num_reqs
         logits = self.model_state.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
-        meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
-                                needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
-        idx_mapping = batch.idx_mapping[:num_reqs]
-        max_logprobs = int(self._row_logprobs[rows].max())
-        biased = self.logit_bias.any_active(rows)
-        penalized = bool(self._row_penalized[rows].any())
-        # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
-        # reading bf16 and converting in registers) skips a [B, V] fp32 copy.
-        if (max_logprobs >= 0 or biased or penalized or self.logits_processors
-                or meta.needs_top_k_top_p):
-            logits = logits.float()                                            # [B, V]
-        # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
-        raw = logits.clone() if max_logprobs >= 0 else logits
-        # Logit rules, in place: bias / allowed ids / min_tokens, penalties, processors.
-        if biased:
-            self.logit_bias.apply(logits, idx_mapping, self.state)
-        if penalized:
-            self.penalties.apply(logits, idx_mapping, self.state)
-        logits = apply_logits_processors(self.logits_processors, logits, idx_mapping, self.state)
         # The sampled token sits at position seq_len (just after the step's last token).
-        sampled = self.sampler(logits, idx_mapping, self.state,
-                               batch.seq_lens[:num_reqs], meta)  # [B]
-        logprobs = None
-        if max_logprobs >= 0:
-            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([B,k+1], [B,k+1], [B])
-        if self.penalties is not None:  # NOTE: before post_update, which moves total_len
-            self.penalties.update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled,
-                                  num_reqs, self.state)
-        post_update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled, num_reqs,
-                    self.state)
-        return AsyncOutput(batch.req_ids, sampled, logprobs,
+        out = self.sampler(logits, batch.idx_mapping[:num_reqs], batch.seq_lens[:num_reqs],
+                           rows, self.state)
+        self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,
+                                           out.sampled, num_reqs, self.state)
+        return AsyncOutput(batch.req_ids, out.sampled, out.logprobs,
                            self._prompt_logprobs(batch.req_ids, num_scheduled, hidden))
 
     def _prompt_logprobs(self, req_ids, num_scheduled, hidden) -> dict:

@@ -243,3 +243,37 @@ class RequestStateTable:
             last_sampled_token=self.last_sampled_token, top_k=self.top_k,
             float_params=self.float_params, seed=self.seed,
         )
+
+
+def apply_scheduler_output(sched, state: RequestStateTable, block_tables,
+                           sampling_states=None) -> None:
+    """Free, add and extend rows as one ``SchedulerOutput`` says; one launch per table.
+
+    Finished / preempted requests give their rows back (sorted: the rows a run hands out
+    never depend on set order), new ones take rows and their block ids, running ones
+    append new block ids; then every staged write is applied.
+
+    Args:
+        sched: the step's ``SchedulerOutput``.
+        state: the ``RequestStateTable``.
+        block_tables: the ``BlockTables``.
+        sampling_states: the sampler's ``SamplingStates`` (``None``: default sampling).
+    """
+    for req_id in sorted(sched.finished_req_ids):
+        if req_id in state:
+            row = state.remove_request(req_id)
+            if sampling_states is not None:
+                sampling_states.remove_request(row)
+    for new in sched.new_reqs:
+        sp = new.request.sampling_params if new.request is not None else None
+        params = sampling_states.table_params(sp) if sampling_states is not None else None
+        row = state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, params)
+        block_tables.append_block_ids(row, new.block_ids, overwrite=True)
+        if sampling_states is not None:
+            sampling_states.add_request(row, sp, new.prefill_token_ids, new.prompt_len)
+    for req_id, block_ids in sched.new_block_ids.items():
+        block_tables.append_block_ids(state.row_of(req_id), block_ids, overwrite=False)
+    state.apply_staged_writes()
+    block_tables.apply_staged_writes()
+    if sampling_states is not None:
+        sampling_states.apply_staged_writes()

@@ -33,7 +33,7 @@ import triton
 
 from mrv2.kernels.gumbel import gumbel_sample
 from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p
-from mrv2.sample.sampler import apply_top_k_top_p_min_p as torch_top_k_top_p
+from mrv2.kernels.top_k_top_p import top_k_top_p_min_p_sorted as torch_top_k_top_p
 
 
 def _time_us(fn) -> float:

@@ -19,10 +19,10 @@ from scipy.stats import chisquare
 from mrv2 import LLM, SamplingParams
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.kernels.logprobs import compute_topk_logprobs_ref
+from mrv2.kernels.top_k_top_p import top_k_top_p_min_p_sorted
 from mrv2.models.loader import DEFAULT_MODEL_DIR, load_model
 from mrv2.platform import DEVICE
 from mrv2.request import Request
-from mrv2.sample.sampler import apply_top_k_top_p_min_p
 from mrv2.scheduler import NewRequestData, SchedulerOutput
 from mrv2.v1 import V1ModelRunner
 from mrv2.v1.input_batch import InputBatch
@@ -337,8 +337,8 @@ def test_sampler_matches_target_distribution_chi_squared(temp, top_k, top_p, min
     # V1's order: min-p, then top-k, then top-p over what top-k kept (renormalised).
     target = (logits / temp)[None]
     for k, p, m in ((0, 1.0, min_p or 0.0), (top_k or 0, 1.0, 0.0), (0, top_p or 1.0, 0.0)):
-        target = apply_top_k_top_p_min_p(target, torch.tensor([k]), torch.tensor([p]),
-                                         torch.tensor([m]))
+        target = top_k_top_p_min_p_sorted(target, torch.tensor([k]), torch.tensor([p]),
+                                      torch.tensor([m]))
     target = target[0].softmax(-1).double()
     kept = target > 0
     assert counts[~kept].sum() == 0  # masked tokens are never drawn

@@ -68,9 +68,9 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
 
     ``num_layers x 2 (K and V) x num_kv_heads x head_dim x dtype bytes``.
     """
-    from mrv2.models.qwen3 import model_dims
+    from mrv2.model_state import ModelState
 
-    d = model_dims(hf_config)
+    d = ModelState.model_dims(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
     return d.num_layers * 2 * d.num_kv_heads * d.head_dim * elem
 
@@ -146,12 +146,42 @@ def workload_roofline(weight_nbytes: int, kv_nbytes_per_token: int, input_lens: 
 
 def model_info(model: torch.nn.Module, hf_config, dtype: torch.dtype) -> dict:
     """What the roofline needs to know about a model (for the results JSON)."""
-    from mrv2.models.qwen3 import model_dims
+    from mrv2.model_state import ModelState
 
-    d = model_dims(hf_config)
+    d = ModelState.model_dims(hf_config)
     return {"num_params": sum(p.numel() for p in model.parameters()),
             "weight_bytes": weight_bytes(model),
             "kv_bytes_per_token": kv_bytes_per_token(hf_config, dtype),
             "dtype": str(dtype).removeprefix("torch."), "num_layers": d.num_layers,
             "num_kv_heads": d.num_kv_heads, "head_dim": d.head_dim,
             "hidden_size": d.hidden_size, "vocab_size": d.vocab_size}
+
+
+def whole_workload_bound(workload: str, res: dict) -> dict | None:
+    """The roofline of a recorded workload's whole schedule, from a results JSON.
+
+    Newer results carry it (``res["roofline"]["workload"]``); for older files the same walk
+    is redone over the workload rebuilt from the recorded config.
+
+    Args:
+        workload: the workload's name (``"standard"``, ``"host-bound"``, ...).
+        res: a throughput results dict (``load_results``).
+
+    Returns:
+        ``workload_roofline``'s dict, or ``None`` when the file lacks what it needs (or the
+        rebuilt workload does not match the recorded one).
+    """
+    from mrv2.bench.workloads import make_workload
+
+    roof, info, cfg = res["roofline"], res.get("model_info"), res.get("config", {})
+    if roof.get("workload") or not info:
+        return roof.get("workload")
+    wl = make_workload(workload, info["vocab_size"], seed=cfg.get("seed", 0),
+                       num_requests=cfg.get("num_requests"), input_len=cfg.get("input_len"),
+                       output_len=cfg.get("output_len"))
+    seqs = [r["settings"]["max_num_seqs"] for r in res["runners"].values()
+            if "max_num_seqs" in r.get("settings", {})]
+    if not seqs or wl.output_tokens != res.get("workload_stats", {}).get("output_tokens"):
+        return None
+    return workload_roofline(info["weight_bytes"], info["kv_bytes_per_token"], wl.input_lens,
+                             wl.output_lens, seqs[0], roof["bandwidth_gbs"])

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.platform import TRITON_INTERPRET
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 _LOG2E = 1.4426950408889634
 
@@ -106,7 +106,7 @@ def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
 
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches
 # triton.language (~1.6 ms a call); the kernel calls the helper's plain Python body there.
-_attend_tile_body = _attend_tile.rewrite() if TRITON_INTERPRET else _attend_tile
+_attend_tile_body = interpreter_body(_attend_tile)
 
 
 @triton.jit

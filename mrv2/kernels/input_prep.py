@@ -146,6 +146,22 @@ def prepare_inputs_ref(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Te
 
 # --- post_update --------------------------------------------------------------------
 
+@triton.jit
+def keeps_sample(num_computed, total_len, max_model_len):
+    """Whether a step's sample is appended to its row (the one rule, shared by kernels).
+
+    Kept only when the step reached the end of the known tokens (``num_computed``:
+    after this step's tokens) -- a partial prefill chunk's sample is meaningless --
+    and the row has room for it (``total_len < max_model_len``).
+    """
+    return (num_computed >= total_len) & (total_len < max_model_len)
+
+
+def keeps_sample_ref(num_computed: int, total_len: int, max_model_len: int) -> bool:
+    """Plain-Python ``keeps_sample`` (for the torch references)."""
+    return num_computed >= total_len and total_len < max_model_len
+
+
 @triton.jit(do_not_specialize=["num_reqs"])
 def _post_update_kernel(
     idx_mapping_ptr, num_scheduled_ptr, sampled_ptr,                 # inputs
@@ -163,10 +179,7 @@ def _post_update_kernel(
     num_computed = tl.load(num_computed_ptr + row, mask=mask, other=0) + n
     total = tl.load(total_len_ptr + row, mask=mask, other=0)
     tl.store(num_computed_ptr + row, num_computed, mask=mask)
-    # Append the sample only when the step reached the end of the known tokens;
-    # a partial prefill chunk's sample is meaningless and dropped.
-    # NOTE: a full row (total == max_model_len) has nowhere to put it: drop it too.
-    append = mask & (num_computed >= total) & (total < max_model_len)
+    append = mask & keeps_sample(num_computed, total, max_model_len)
     tl.store(token_ids_ptr + row * token_ids_stride + total, sampled, mask=append)
     tl.store(total_len_ptr + row, total + 1, mask=append)
     tl.store(last_sampled_ptr + row, sampled, mask=append)
@@ -201,7 +214,7 @@ def post_update_ref(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Tenso
         row = int(idx_mapping[b])
         num_computed_tokens[row] += int(num_scheduled_tokens[b])
         total = int(total_len[row])
-        if int(num_computed_tokens[row]) >= total and total < max_model_len:
+        if keeps_sample_ref(int(num_computed_tokens[row]), total, max_model_len):
             token_ids[row, total] = int(sampled_token_ids[b])
             total_len[row] = total + 1
             last_sampled_token[row] = int(sampled_token_ids[b])

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mrv2.kernels.input_prep import keeps_sample, keeps_sample_ref
+
 #: Fields per staged row at the head of the packed array.
 META_FIELDS = ("row", "token_start", "num_prompt", "num_output")
 NUM_META = len(META_FIELDS)
@@ -123,9 +125,8 @@ def _update_counts_kernel(
     sampled = tl.load(sampled_ptr + b, mask=mask, other=0).to(tl.int64)
     num_computed = tl.load(num_computed_ptr + row, mask=mask, other=0) + n
     total = tl.load(total_len_ptr + row, mask=mask, other=0)
-    # The very rule of post_update: the sample is kept iff the step reached the end of
-    # the known tokens and the row has room for it.
-    append = mask & (num_computed >= total) & (total < max_model_len)
+    # The very rule of post_update (one helper): is this step's sample appended?
+    append = mask & keeps_sample(num_computed, total, max_model_len)
     # Rows are distinct within a step, so each address gets at most one increment.
     counts = output_counts_ptr + row * output_counts_stride + sampled
     tl.store(counts, tl.load(counts, mask=append, other=0) + 1, mask=append)
@@ -164,8 +165,8 @@ def update_output_counts_ref(idx_mapping: torch.Tensor, num_scheduled_tokens: to
     for b in range(num_reqs):
         row = int(idx_mapping[b])
         total = int(total_len[row])
-        if int(num_computed_tokens[row]) + int(num_scheduled_tokens[b]) >= total \
-                and total < max_model_len:
+        if keeps_sample_ref(int(num_computed_tokens[row]) + int(num_scheduled_tokens[b]),
+                            total, max_model_len):
             output_counts[row, int(sampled_token_ids[b])] += 1
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
-from mrv2.platform import TRITON_INTERPRET
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 
 def build_cos_sin_cache(head_dim: int, max_position: int, theta: float,
@@ -116,7 +116,7 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
 
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches triton.language
 # (~1.5 ms a call); the kernel calls the helper's plain Python body there (see attention.py).
-_norm_rope_heads_body = _norm_rope_heads.rewrite() if TRITON_INTERPRET else _norm_rope_heads
+_norm_rope_heads_body = interpreter_body(_norm_rope_heads)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

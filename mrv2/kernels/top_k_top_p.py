@@ -35,7 +35,6 @@ import triton.language as tl
 
 from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
 from mrv2.platform import TRITON_INTERPRET
-from mrv2.sample.sampler import apply_top_k_top_p_min_p as _apply_sorted
 
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
@@ -172,7 +171,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
 def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                 temperature: torch.Tensor, top_k: torch.Tensor,
                                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """The sort-based torch reference (``mrv2.sample.sampler``), through ``idx_mapping``.
+    """The sort-based torch reference (``top_k_top_p_min_p_sorted``), through ``idx_mapping``.
 
     Same arguments as ``apply_top_k_top_p_min_p``; returns a new tensor.
     """
@@ -183,6 +182,35 @@ def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, idx_mapping: torch.Tensor,
     # NOTE: top_p = 1 must be off; in the sorted reference the fp32 cumsum can reach 1.0
     # before the last token and drop it, so pass a top_p it can never reach.
     p = torch.where(top_p[req] >= 1.0, 2.0, top_p[req])
-    masked = _apply_sorted(scaled, top_k[req], p, min_p[req])
+    masked = top_k_top_p_min_p_sorted(scaled, top_k[req], p, min_p[req])
     drop = (masked == float("-inf")) & ~greedy[:, None]
     return logits.masked_fill(drop, float("-inf"))
+
+
+def top_k_top_p_min_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k / top-p / min-p remove, per row, by sorting.
+
+    The plain executable specification, one knob value per row (no ``idx_mapping``).
+
+    Args:
+        logits: ``[B, V]`` float32, already divided by the temperature.
+        top_k: ``[B]`` int (<= 0: off); top_p: ``[B]`` float (1: off); min_p: ``[B]`` (0: off).
+
+    Returns:
+        A new ``[B, V]`` tensor with the removed logits at -inf.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]  # [B, 1]
+    drop = rank >= k
+    # top-p: keep a token while the mass strictly before it is < top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+    # NOTE: top_p == 1 must keep everything, even where the fp32 cumsum reaches 1 early.
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked)

@@ -238,3 +238,27 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
     else:
         load_weights(net, files, tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
     return net.eval(), hf_config
+
+
+def find_qwen3_0_6b() -> Path | None:
+    """A local Qwen3-0.6B folder (``config.json`` and ``*.safetensors``), or ``None``.
+
+    Looks at ``$MRV2_QWEN3_PATH``, then the Hugging Face cache; never downloads.
+
+    Returns:
+        The folder, or ``None`` when no complete copy is found.
+    """
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import try_to_load_from_cache
+
+    candidates = []
+    if os.environ.get("MRV2_QWEN3_PATH"):
+        candidates.append(Path(os.environ["MRV2_QWEN3_PATH"]).expanduser())
+    cached = try_to_load_from_cache("Qwen/Qwen3-0.6B", "config.json")
+    if isinstance(cached, str):  # else None or the "known absent" marker
+        candidates.append(Path(cached).parent)
+    hub = Path(hf_constants.HF_HUB_CACHE)  # ~/.cache/huggingface/hub by default
+    candidates += [f.parent for f in
+                   sorted(hub.glob("models--Qwen--Qwen3-0.6B/snapshots/*/model.safetensors"))]
+    return next((c for c in candidates
+                 if (c / "config.json").is_file() and any(c.glob("*.safetensors"))), None)

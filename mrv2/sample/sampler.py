@@ -10,9 +10,9 @@ expanded per logit on the CPU.
 
 The work is done by Triton kernels (``mrv2/kernels/gumbel.py``: Gumbel-max, no
 softmax materialised; ``mrv2/kernels/top_k_top_p.py``: sort-free top-k / top-p /
-min-p). ``apply_top_k_top_p_min_p`` below is the plain sort-based torch version,
-kept as the executable specification the kernel is tested against. See
-notebooks/05_gumbel_sampling.ipynb.
+min-p; its sort-based torch specification sits beside it). The per-row settings,
+rules and histories live in ``SamplingStates`` (``mrv2/sample/states.py``), which the
+sampler owns. See notebooks/05_gumbel_sampling.ipynb.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mrv2.kernels.gumbel import gumbel_sample
+from mrv2.kernels.logprobs import compute_topk_logprobs
+from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p
+from mrv2.sample.states import SamplingStates
 
 
 @dataclass
@@ -35,44 +40,67 @@ class SamplingMetadata:
     needs_top_k_top_p: bool = False
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens top-k / top-p / min-p remove, per row.
+@dataclass
+class SamplerOutput:
+    """What one sampler call produced, still on the device.
 
-    Args:
-        logits: ``[B, V]`` float32, already divided by the temperature.
-        top_k: ``[B]`` int (<= 0: off); top_p: ``[B]`` float (1: off); min_p: ``[B]`` (0: off).
+    Attributes:
+        sampled: ``[N]`` int64 token ids, one per logits row.
+        logprobs: ``(ids [N, k+1], logprobs [N, k+1], ranks [N])`` of the raw logits
+            (the sampled id first), or ``None`` when no row asked for logprobs.
     """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-    probs = sorted_logits.softmax(dim=-1)  # [B, V]
-    rank = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]  # [B, 1]
-    drop = rank >= k
-    # top-p: keep a token while the mass strictly before it is < top_p (the top token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
-    # NOTE: top_p == 1 must keep everything, even where the fp32 cumsum reaches 1 early.
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop |= probs < min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
-    masked = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, masked)
+
+    sampled: torch.Tensor
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
-    """Turns ``[num_reqs, V]`` logits into ``[num_reqs]`` token ids without a CPU sync."""
+    """Turns logits into token ids without a CPU sync; owns the rows' ``SamplingStates``.
 
-    def __init__(self):
-        # NOTE: imported here: kernels/top_k_top_p.py imports this module's reference.
-        from mrv2.kernels.gumbel import gumbel_sample
-        from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p as top_k_top_p_kernel
+    Args:
+        states: the per-row sampling states (``None``: only ``sample_tokens`` is usable).
+    """
 
-        self._gumbel_sample = gumbel_sample
-        self._top_k_top_p = top_k_top_p_kernel
+    def __init__(self, states: SamplingStates | None = None):
+        self.states = states
 
-    def __call__(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state,
-                 positions: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Sample one token per row.
+    def __call__(self, logits: torch.Tensor, idx_mapping: torch.Tensor,
+                 positions: torch.Tensor, rows: list[int], state) -> SamplerOutput:
+        """Logit rules -> sample -> logprobs, for any number of logits rows per request.
+
+        Args:
+            logits: ``[N, V]`` the model's logits (its dtype), one row per sampled position.
+            idx_mapping: ``[N]`` int32 logits row -> state row (today one logits row per
+                request; speculative decoding will map 1 + K rows to one state row).
+            positions: ``[N]`` absolute position of the token each logits row samples.
+            rows: the ``N`` state rows as CPU ints (the flags are read from them, no sync).
+            state: the ``RequestStateTable``.
+
+        Returns:
+            A ``SamplerOutput``.
+        """
+        states = self.states
+        max_logprobs = states.max_logprobs(rows)
+        biased, penalized = states.needs_rules(rows)
+        meta = SamplingMetadata(all_greedy=states.all_greedy(rows),
+                                needs_top_k_top_p=states.needs_top_k_top_p(rows))
+        # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
+        # reading bf16 and converting in registers) skips a [N, V] fp32 copy.
+        if (max_logprobs >= 0 or biased or penalized or states.logits_processors
+                or meta.needs_top_k_top_p):
+            logits = logits.float()                                            # [N, V]
+        # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
+        raw = logits.clone() if max_logprobs >= 0 else logits
+        logits = states.apply_rules(logits, idx_mapping, state, biased, penalized)
+        sampled = self.sample_tokens(logits, idx_mapping, state, positions, meta)  # [N]
+        logprobs = None
+        if max_logprobs >= 0:
+            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([N,k+1],[N,k+1],[N])
+        return SamplerOutput(sampled, logprobs)
+
+    def sample_tokens(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state,
+                      positions: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Sample one token per logits row (the rules already applied).
 
         Args:
             logits: ``[B, V]`` logits of the rows that sample: float32 when a row uses
@@ -89,7 +117,7 @@ class Sampler:
         if meta.all_greedy:
             return logits.argmax(dim=-1)  # [B]
         if meta.needs_top_k_top_p:
-            self._top_k_top_p(logits, idx_mapping, state.temperature, state.top_k,
-                              state.top_p, state.min_p)
-        return self._gumbel_sample(logits, idx_mapping, state.temperature, state.seed,
-                                   positions.to(torch.int64))  # [B]
+            apply_top_k_top_p_min_p(logits, idx_mapping, state.temperature, state.top_k,
+                                    state.top_p, state.min_p)
+        return gumbel_sample(logits, idx_mapping, state.temperature, state.seed,
+                             positions.to(torch.int64))  # [B]

@@ -29,7 +29,8 @@ from mrv2.async_output import StepOutput
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes, graph_shape, prefill_capture_sizes
 from mrv2.forward_context import AttentionMetadata, set_forward_context
-from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
+from mrv2.model_state import ModelState
+from mrv2.runner_interface import RunnerInterface
 from mrv2.sampling_params import SamplingParams
 from mrv2.scheduler import SchedulerOutput
 from mrv2.v1.input_batch import InputBatch
@@ -47,7 +48,7 @@ class V1ModelRunnerOutput:
         return self._output
 
 
-class V1ModelRunner:
+class V1ModelRunner(RunnerInterface):
     """Executes scheduled steps with a persistent batch and CPU-built inputs.
 
     Args: exactly those of ``mrv2.runner.ModelRunner``.
@@ -75,12 +76,10 @@ class V1ModelRunner:
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        self.vocab_size = model_dims(hf_config).vocab_size
-        shape = kv_cache_shape(hf_config, num_blocks, cache_config.block_size)
+        self.vocab_size = ModelState.model_dims(hf_config).vocab_size
         # One [2, num_blocks, block_size, H_kv, D] cache per layer, as the V2 runner.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
-                          for _ in range(model_dims(hf_config).num_layers)]
-        bind_kv_cache(model, self.kv_caches)
+        self.kv_caches = ModelState.make_kv_caches(model, hf_config, num_blocks,
+                                                   cache_config.block_size, dtype, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_tokens,
                                       cache_config.block_size, self.vocab_size, self.device)
@@ -133,8 +132,9 @@ class V1ModelRunner:
 
         self.cuda_graphs.capture(prepare, forward, progress=progress)
 
-    def validate_params(self, sp: SamplingParams) -> None:
+    def validate_params(self, sampling_params: SamplingParams, num_eos_ids: int = 0) -> None:
         """Raise ``ValueError`` naming a sampling feature this baseline does not implement."""
+        sp = sampling_params
         unsupported = {
             "presence_penalty": sp.presence_penalty != 0.0,
             "frequency_penalty": sp.frequency_penalty != 0.0,
@@ -169,7 +169,7 @@ class V1ModelRunner:
             old = self.requests.get(new.req_id)
             sp = new.request.sampling_params
             generator = old.generator if old is not None else None
-            if generator is None and getattr(new.request, "user_seeded", False):
+            if generator is None and new.request.user_seeded:
                 generator = torch.Generator(self.device).manual_seed(sp.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prefill_token_ids[:new.prompt_len]),
