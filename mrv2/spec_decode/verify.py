@@ -342,7 +342,9 @@ def probabilistic_verify(logits: torch.Tensor, draft_token_ids: torch.Tensor,
         if block_v is None:
             block_v = min(4096 if TRITON_INTERPRET else 1024,
                           triton.next_power_of_2(max(vocab_size, 16)))
-        block_r = max(1, min(65536 // block_v, 1024)) if TRITON_INTERPRET else 1
+        # NOTE: the interpreter pays per program: many rows per program there (as gumbel.py).
+        block_r = (min(max(1, 262144 // block_v), triton.next_power_of_2(num_rows))
+                   if TRITON_INTERPRET else 1)
         q = logits if draft_probs is None else draft_probs
         _probabilistic_kernel[(triton.cdiv(num_rows, block_r),)](
             logits, q, draft_token_ids, idx_mapping, base_positions, state.temperature,
