@@ -1,13 +1,17 @@
 """Draft verification: kernels vs references, exact == non-speculative sampling, and
 chi-squared checks that probabilistic verification samples the target distribution."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
 from mrv2.kernels.gumbel import gumbel_noise_ref, gumbel_sample, gumbel_sample_ref
+from mrv2.kernels.input_prep import prepare_inputs
 from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_ref
+from mrv2.spec_decode.draft_slots import spec_post_update, write_draft_slots
 from mrv2.spec_decode.ngram import ngram_propose
 from mrv2.spec_decode.verify import (
     exact_verify,
@@ -104,6 +108,7 @@ def _sample_plain(logits, idx, st, pos):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_exact_equals_sequential_sampling(k):
+    """Token for token what the plain sampler returns, through the runner's device path."""
     # A bigram "model" (next-token logits depend on the previous token) over 8 tokens, so
     # sequences repeat and the n-gram proposer has something to propose.
     vocab, steps, prompt_len = 8, 12, 6
@@ -122,27 +127,37 @@ def test_exact_equals_sequential_sampling(k):
         pos = torch.full((4,), seqs.shape[1], dtype=torch.int64)
         nxt = _sample_plain(table[seqs[:, -1].long()], rows, st, pos)
         seqs = torch.cat([seqs, nxt[:, None].to(torch.int32)], 1)
-    # Speculative: n-gram drafts (slot 0 gets the oracle's, so it runs all-accepted steps).
-    token_ids = torch.zeros(4, prompt_len + steps + k + 2, dtype=torch.int32)
-    token_ids[:, :prompt_len] = prompts
-    total_len = torch.full((4,), prompt_len, dtype=torch.int32)
+    # Speculative, on the device state the runner will use: n-gram drafts (slot 0 gets the
+    # oracle's, so it runs all-accepted steps) -> draft slots -> prepare_inputs (1 + K query
+    # tokens) -> the bigram's logits -> exact_verify -> spec_post_update.
+    width = prompt_len + steps + k + 2
+    table_state = SimpleNamespace(
+        token_ids=torch.zeros(4, width, dtype=torch.int32),
+        total_len=torch.full((4,), prompt_len, dtype=torch.int32),
+        num_computed_tokens=torch.full((4,), prompt_len - 1, dtype=torch.int32),
+        last_sampled_token=torch.full((4,), -1, dtype=torch.int32))
+    table_state.token_ids[:, :prompt_len] = prompts
+    buf = {name: torch.zeros(4 * (k + 1) + 1, dtype=torch.int32) for name in
+           ("query_start_loc", "seq_lens", "input_ids", "positions", "logits_indices")}
     accepted_any = 0
-    while int(total_len.min()) < prompt_len + steps:
-        idx = rows[total_len < prompt_len + steps]        # the unfinished rows, by idx_mapping
-        drafts, _ = ngram_propose(idx, token_ids, total_len, k, 1, 2)
-        length = total_len[idx.long()].long()             # [B]
+    while int(table_state.total_len.min()) < prompt_len + steps:
+        idx = rows[table_state.total_len < prompt_len + steps]   # the unfinished rows
+        num_reqs = idx.shape[0]
+        drafts, _ = ngram_propose(idx, table_state.token_ids, table_state.total_len, k, 1, 2)
         if int(idx[0]) == 0:
-            oracle = seqs[0, length[0]:length[0] + k]
+            at = int(table_state.total_len[0])
+            oracle = seqs[0, at:at + k]
             drafts[0, :oracle.numel()] = oracle
-        last = token_ids[idx.long(), length - 1]
-        inputs = torch.cat([last[:, None], drafts.clamp(min=0)], 1)           # [B, 1 + K]
-        logits = table[inputs.long()].reshape(-1, vocab)                      # [B * (1 + K), V]
-        res = exact_verify(logits, drafts, idx, length - 1, st)
+        write_draft_slots(idx, drafts, num_reqs, table_state)
+        n_sched = torch.full((num_reqs,), k + 1, dtype=torch.int32)
+        prepare_inputs(idx, n_sched, num_reqs, num_reqs * (k + 1), table_state, **buf)
+        input_ids = buf["input_ids"][:num_reqs * (k + 1)].long()          # [B * (1 + K)]
+        base_positions = buf["positions"][buf["query_start_loc"][:num_reqs].long()]
+        res = exact_verify(table[input_ids], drafts, idx, base_positions, st)
         accepted_any += int(res.num_accepted.sum())
-        for b, row in enumerate(idx.tolist()):   # append (the runner's post_update, on the host)
-            n, at = int(res.num_output_tokens[b]), int(total_len[row])
-            token_ids[row, at:at + n] = res.output_token_ids[b, :n]
-            total_len[row] = at + n
+        spec_post_update(idx, n_sched, torch.full((num_reqs,), k, dtype=torch.int32),
+                         res.output_token_ids, res.num_output_tokens, num_reqs, table_state)
+    token_ids = table_state.token_ids
     assert accepted_any > 0
     assert torch.equal(token_ids[:, :prompt_len + steps], seqs)
 
