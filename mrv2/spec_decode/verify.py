@@ -298,7 +298,9 @@ def exact_verify(logits: torch.Tensor, draft_token_ids: torch.Tensor, idx_mappin
         ``VerifyOutput``.
     """
     num_reqs, k = _check(logits, draft_token_ids, idx_mapping, base_positions)
-    rep_idx = idx_mapping.repeat_interleave(k + 1)                            # [B * (K + 1)]
+    # NOTE: expand + contiguous, not repeat_interleave (nothing here may wait for the
+    # device), and not reshape: with B == 1 it returns a stride-0 view the kernels misread.
+    rep_idx = idx_mapping[:, None].expand(-1, k + 1).contiguous().view(-1)   # [B * (K + 1)]
     rep_pos = (base_positions.to(torch.int64)[:, None] + 1
                + torch.arange(k + 1, device=logits.device)).reshape(-1)       # [B * (K + 1)]
     if needs_top_k_top_p and num_reqs:
@@ -335,7 +337,7 @@ def probabilistic_verify(logits: torch.Tensor, draft_token_ids: torch.Tensor,
     sampled = torch.empty(num_rows, dtype=torch.int64, device=dev)
     accepted = torch.empty(num_rows, dtype=torch.int32, device=dev)
     if num_reqs:
-        rep_idx = idx_mapping.repeat_interleave(k + 1)                        # [B * (K + 1)]
+        rep_idx = idx_mapping[:, None].expand(-1, k + 1).contiguous().view(-1)  # [B * (K + 1)]
         if needs_top_k_top_p:
             apply_top_k_top_p_min_p(logits, rep_idx, state.temperature, state.top_k,
                                     state.top_p, state.min_p)
