@@ -142,7 +142,8 @@ class ModelRunner:
                 "temperature": sp.temperature, "top_k": sp.top_k if sp.top_k > 0 else -1,
                 "top_p": sp.top_p, "min_p": sp.min_p, "seed": sp.seed,
                 "repetition_penalty": sp.repetition_penalty,
-                "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty})
+                "presence_penalty": sp.presence_penalty, "frequency_penalty": sp.frequency_penalty},
+                num_computed_tokens=new.num_computed_tokens)
             self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
             prompt = new.prefill_token_ids[:new.prompt_len]
             self.logit_bias.add_request(row, sp)

@@ -26,13 +26,18 @@ from mrv2.request import Request, RequestStatus
 
 @dataclass
 class NewRequestData:
-    """A request the runner has not seen (or must re-create after preemption)."""
+    """A request the runner has not seen (or must re-create after preemption).
+
+    ``num_computed_tokens`` is where its device row starts: 0, or the length of its
+    prefix-cache hit (those tokens' KV is already in the first ``block_ids``).
+    """
 
     req_id: str
     prefill_token_ids: list[int]
     prompt_len: int
     request: Request
     block_ids: list[int]
+    num_computed_tokens: int = 0
 
 
 @dataclass
