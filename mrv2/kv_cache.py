@@ -33,19 +33,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int],
-                      extra_keys: Hashable = None) -> int:
+#: The "parent hash" of a request's first block.
+ROOT_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int],
+                      extra_keys: Hashable = ()) -> int:
     """The hash of one full block, chained with its parent's.
 
     Args:
-        parent_hash: the previous block's hash (``None`` for the first block).
+        parent_hash: the previous block's hash (``ROOT_HASH`` for the first block).
         token_ids: the block's ``block_size`` token ids.
-        extra_keys: anything else that changes the block's KV (e.g. a LoRA id), or ``None``.
+        extra_keys: anything else that changes the block's KV (e.g. a LoRA id); ``()``: none.
 
     Returns:
         A 64-bit int. NOTE: Python's tuple hash: a collision (~2**-64 per pair) would
-        share wrong KV; vLLM offers sha256 for that reason. Ints hash to themselves, so
-        the value is the same in every process.
+        share wrong KV; vLLM offers sha256 for that reason. Tuples of ints hash the same
+        in every process (``None`` would not on Python 3.11: its hash is its address).
     """
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
@@ -122,7 +126,8 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             bs, prompt, output = self.block_size, req.prompt_token_ids, req.output_token_ids
             extra = self.extra_keys(req) if self.extra_keys is not None else None
-            parent = hashes[-1] if hashes else None
+            extra = () if extra is None else extra
+            parent = hashes[-1] if hashes else ROOT_HASH
             num_prompt = len(prompt)
             for i in range(len(hashes), num_blocks):
                 start, end = i * bs, (i + 1) * bs

@@ -22,9 +22,9 @@ def _req(rid, tokens, **sp) -> Request:
     return Request(str(rid), tokens, SamplingParams(**sp), 0)
 
 
-def _chain(tokens, bs, extra=None) -> list[int]:
+def _chain(tokens, bs, extra=()) -> list[int]:
     """The hash chain re-derived: block i's hash covers every token of blocks 0..i."""
-    out, parent = [], None
+    out, parent = [], 0
     for i in range(len(tokens) // bs):
         parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
         out.append(parent)
