@@ -188,8 +188,12 @@ class KVCacheManager:
             The newly allocated block ids, hits excluded (possibly empty), or ``None``
             when the pool has too few free blocks (nothing is allocated or held then).
         """
-        have = len(self.req_blocks.get(req_id, ())) + len(computed_blocks)
-        need = max(0, cdiv(num_tokens, self.block_size) - have)
+        blocks = self.req_blocks.get(req_id)
+        need = cdiv(num_tokens, self.block_size) - len(computed_blocks) - (
+            len(blocks) if blocks is not None else 0)
+        if need <= 0 and blocks is not None and not computed_blocks:
+            return []  # the common decode step: room left in its last block
+        need = max(0, need)
         # NOTE: a hit on a free cached block takes it off the free queue too.
         held_from_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need + held_from_free > len(self.free_queue):
@@ -224,13 +228,15 @@ class KVCacheManager:
         ``num_computed_tokens`` (scheduled, hence launched before any later step that
         could read it) is past its end. Under async scheduling a token still in flight
         is not known yet: its block is cached at a later call. Cheap when nothing new
-        is full (the no-hit, decode path): two lookups and a compare.
+        is full (most decode steps): a division, a lookup and a compare.
 
         Args:
             req: a ``Request`` holding blocks.
             num_computed_tokens: its computed tokens once the scheduled step has run.
         """
-        if not self.enable_caching:
+        # NOTE: the fast path (nothing new is full) runs for every request in every step.
+        if not self.enable_caching or (num_computed_tokens // self.block_size
+                                       <= self._num_cached.get(req.request_id, 0)):
             return
         req_id = req.request_id
         num_full = min(num_computed_tokens, req.num_tokens) // self.block_size
