@@ -357,3 +357,31 @@ def test_enable_prefix_caching_argument():
     assert _llm(True).kv_manager.enable_caching
     assert not _llm(False).kv_manager.enable_caching
     assert LLM(max_model_len=32, max_num_seqs=2).kv_manager.enable_caching  # on by default
+
+
+# -- GPU (run by the lead): CUDA graphs + async + caching, no sync -----------------------
+
+
+@pytest.mark.gpu
+def test_gpu_caching_under_graphs_async_and_sync_debug():
+    """fp32 on the GPU (token identity across schedules), CUDA graphs and async on: the
+    same outputs with caching on and off, and no sync in the loop while hits happen."""
+    import torch
+
+    prompts, params = _workload(4)
+    outs = {}
+    for on in (False, True):
+        llm = LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=40, max_num_seqs=4,
+                  max_num_batched_tokens=16, num_gpu_blocks_override=10, block_size=4,
+                  async_scheduling=True, enable_prefix_caching=on)
+        assert llm.runner.cuda_graphs.graphs
+        llm.generate(prompts, params, use_tqdm=False)             # warm-up; fills the cache
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs[on] = _ids(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert (llm.kv_manager.num_hits > 0) == on
+        _assert_pool_whole(llm.kv_manager)
+    assert outs[True] == outs[False]
