@@ -27,7 +27,7 @@ from mrv2.scheduler import Scheduler
 
 # vLLM engine arguments that mean nothing for a single-device offline runner.
 _IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": None,
-                 "enable_prefix_caching": None, "swap_space": None, "disable_log_stats": None,
+                 "swap_space": None, "disable_log_stats": None,
                  "tokenizer_mode": None, "revision": None, "download_dir": None,
                  "enable_chunked_prefill": None, "compilation_config": None}
 #: ``LLM(cudagraph_mode=...)`` values (vLLM's ``CUDAGraphMode`` names that mrv2 has).
@@ -61,6 +61,10 @@ class LLM:
             outputs one step behind (``None``: on for the V2 runner on a GPU, off otherwise).
         model_state_cls: a ``mrv2.model_state.ModelState`` subclass holding the
             model-specific logic (V2 runner only; default ``ModelState``).
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before
+            (hash chain over full blocks, ``mrv2/kv_cache.py``); on by default, as in vLLM
+            V1. Requests asking for ``prompt_logprobs`` skip the lookup (a cached prefix
+            has no hidden states to score) but still fill the cache.
         logits_processors: batch-level GPU logits processors
             (``mrv2.sample.logits_processors``): instances, or factories called as
             ``factory(max_num_seqs, device)``.
@@ -74,7 +78,8 @@ class LLM:
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
                  runner: str | None = None, logits_processors=(),
                  async_scheduling: bool | None = None, model_state_cls=None,
-                 cudagraph_mode: str | None = None, **kwargs):
+                 cudagraph_mode: str | None = None, enable_prefix_caching: bool = True,
+                 **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -135,7 +140,8 @@ class LLM:
                                   enforce_eager=enforce_eager,
                                   logits_processors=logits_processors, **extra)
         self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(num_blocks, block_size,
+                                         enable_caching=bool(enable_prefix_caching))
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
@@ -282,7 +288,8 @@ class LLM:
         return RequestOutput(request_id=first.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids,
                              prompt_logprobs=first.prompt_logprobs,
-                             outputs=outs, finished=all(r.is_finished for r in group))
+                             outputs=outs, finished=all(r.is_finished for r in group),
+                             num_cached_tokens=max(first.num_cached_tokens, 0))
 
 
 def _pick_runner(runner: str | None) -> str:

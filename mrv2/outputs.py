@@ -57,6 +57,9 @@ class RequestOutput:
         prompt_logprobs: per prompt token, its log-probabilities, when asked for.
         outputs: one ``CompletionOutput`` per completion (``SamplingParams.n``).
         finished: whether every completion has finished.
+        num_cached_tokens: prompt tokens found in the prefix cache when the request was
+            first admitted (their KV was reused, not recomputed); for ``n > 1``, the
+            first completion's (the later ones usually share its blocks too).
     """
 
     request_id: str
@@ -65,3 +68,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0

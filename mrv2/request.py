@@ -49,6 +49,10 @@ class Request:
         self.user_seeded = sampling_params.seed is not None if user_seeded is None else user_seeded
         # Tokens being sampled by steps in flight, not yet seen by the engine.
         self.num_output_placeholders = 0
+        # Prefix caching: hashes of the full blocks so far (kv_cache.py fills them, each
+        # once), and the tokens found cached at the first admission (-1: not admitted yet).
+        self.block_hashes: list[int] = []
+        self.num_cached_tokens = -1
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None

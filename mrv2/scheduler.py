@@ -7,6 +7,14 @@ admitted. When the KV pool runs dry, the most recently admitted request is
 preempted: its blocks and state row are freed and it waits again, to be
 recomputed later from its prompt plus what it already generated.
 
+Prefix caching (``kv_cache.py``): a request is admitted with the longest cached
+prefix of its full blocks, and its ``num_computed_tokens`` starts at that hit, so
+only the rest counts against the token budget. After each request is scheduled, its
+blocks that the step fills are registered as cached at once, so a request admitted
+later in the same step (the ``n`` completions of one prompt) already shares them:
+every layer writes the whole step's KV before its attention reads it. A preempted
+request's blocks go back to the cache, to be hit again at its re-admission.
+
 With async scheduling the engine plans step N+1 before it has seen step N's
 sampled tokens. A request whose step will sample a token gets an *output
 placeholder* for it (``Request.num_output_placeholders``), so the next plan can
@@ -26,13 +34,18 @@ from mrv2.request import Request, RequestStatus
 
 @dataclass
 class NewRequestData:
-    """A request the runner has not seen (or must re-create after preemption)."""
+    """A request the runner has not seen (or must re-create after preemption).
+
+    ``num_computed_tokens`` is where its device row starts: 0, or the length of its
+    prefix-cache hit (those tokens' KV is already in the first ``block_ids``).
+    """
 
     req_id: str
     prefill_token_ids: list[int]
     prompt_len: int
     request: Request
     block_ids: list[int]
+    num_computed_tokens: int = 0
 
 
 @dataclass
@@ -98,6 +111,7 @@ class Scheduler:
             self._freed_ids.add(req_id)
         else:
             self.waiting.remove(req)
+        self.kv.cache_blocks(req, req.num_computed_tokens)  # tokens learned since scheduled
         self.kv.free(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
@@ -107,6 +121,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        self.kv.cache_blocks(req, req.num_computed_tokens)  # its blocks may be hit again
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -143,6 +158,7 @@ class Scheduler:
                 break
             if new:
                 out.new_block_ids[req.request_id] = new
+            self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
             i += 1
@@ -153,16 +169,21 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:  # NOTE: a preempted request's token in flight
                 break
-            num_new = min(req.num_tokens, budget)
-            new = self.kv.allocate(req.request_id, num_new)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)  # >= 1: a hit leaves one token
+            new = self.kv.allocate(req.request_id, num_hit + num_new, hit_blocks)
             if new is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:  # NOTE: the first admission's hit is reported
+                req.num_cached_tokens = num_hit
+            self.kv.cache_blocks(req, num_hit + num_new)
             out.new_reqs.append(NewRequestData(
                 req.request_id, req.all_token_ids, req.num_prompt_tokens, req,
-                list(self.kv.get_blocks(req.request_id))))
+                list(self.kv.get_blocks(req.request_id)), num_computed_tokens=num_hit))
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
 

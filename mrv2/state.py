@@ -122,8 +122,9 @@ class RequestStateTable:
         self._free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
         self.req_ids: list[str | None] = [None] * max_num_reqs   # by row, None when free
         self._row_of: dict[str, int] = {}
-        # row -> (token ids, prompt_len, top_k, float params, seed), until applied.
-        self._staged: dict[int, tuple[np.ndarray, int, int, list[float], int]] = {}
+        # row -> (token ids, prompt_len, top_k, float params, seed, num_computed_tokens),
+        # until applied.
+        self._staged: dict[int, tuple[np.ndarray, int, int, list[float], int, int]] = {}
 
     @property
     def num_free_rows(self) -> int:
@@ -150,7 +151,8 @@ class RequestStateTable:
         return req_id in self._row_of
 
     def add_request(self, req_id: str, prefill_token_ids: list[int], prompt_len: int,
-                    sampling: dict[str, float | int] | None = None) -> int:
+                    sampling: dict[str, float | int] | None = None,
+                    num_computed_tokens: int = 0) -> int:
         """Give ``req_id`` a row and stage its initial state (applied next step).
 
         Args:
@@ -160,6 +162,9 @@ class RequestStateTable:
             prompt_len: how many of ``prefill_token_ids`` are the prompt.
             sampling: some of the keys of ``SAMPLING_DEFAULTS``; missing keys (or
                 ``None`` values) take the neutral defaults.
+            num_computed_tokens: tokens whose KV is already in the request's blocks (a
+                prefix-cache hit); the device copy starts there. At most
+                ``len(prefill_token_ids) - 1``: at least one token is computed.
 
         Returns:
             The row, which the request keeps until ``remove_request``.
@@ -179,6 +184,9 @@ class RequestStateTable:
         if not 0 < prompt_len <= ids.size:
             raise ValueError(f"request {req_id!r}: prompt_len={prompt_len} must be in "
                              f"[1, {ids.size}] (the number of prefill tokens)")
+        if not 0 <= num_computed_tokens < ids.size:
+            raise ValueError(f"request {req_id!r}: num_computed_tokens={num_computed_tokens} "
+                             f"must be in [0, {ids.size - 1}] (one token at least is computed)")
         params = dict(SAMPLING_DEFAULTS)
         for key, value in (sampling or {}).items():
             if key not in SAMPLING_DEFAULTS:
@@ -195,7 +203,7 @@ class RequestStateTable:
         self.req_ids[row] = req_id
         floats = [float(params[name]) for name in FLOAT_PARAMS]
         self._staged[row] = (ids.astype(np.int32), int(prompt_len), int(params["top_k"]),
-                             floats, seed)
+                             floats, seed, int(num_computed_tokens))
         return row
 
     def remove_request(self, req_id: str) -> int:
@@ -227,8 +235,8 @@ class RequestStateTable:
         packed_floats = np.empty((n, len(FLOAT_PARAMS)), dtype=np.float32)
         packed_seeds = np.empty(n, dtype=np.int64)
         for i, row in enumerate(rows):
-            ids, prompt_len, top_k, floats, seed = self._staged[row]
-            meta[i] = (row, starts[i], ids.size, prompt_len, top_k)
+            ids, prompt_len, top_k, floats, seed, num_computed = self._staged[row]
+            meta[i] = (row, starts[i], ids.size, prompt_len, top_k, num_computed)
             tail[starts[i]:starts[i] + ids.size] = ids
             packed_floats[i] = floats
             packed_seeds[i] = seed
@@ -267,7 +275,8 @@ def apply_scheduler_output(sched, state: RequestStateTable, block_tables,
     for new in sched.new_reqs:
         sp = new.request.sampling_params if new.request is not None else None
         params = sampling_states.table_params(sp) if sampling_states is not None else None
-        row = state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, params)
+        row = state.add_request(new.req_id, new.prefill_token_ids, new.prompt_len, params,
+                                num_computed_tokens=new.num_computed_tokens)
         block_tables.append_block_ids(row, new.block_ids, overwrite=True)
         if sampling_states is not None:
             sampling_states.add_request(row, sp, new.prefill_token_ids, new.prompt_len)

@@ -285,3 +285,54 @@ def test_step_benchmarks_tiny(tmp_path, kind):
             assert data[name]["output_tok_per_s"] > 0
             assert {"schedule", "prep", "wait"} <= set(data[name]["summary"]["cpu_ms"])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_shared_prefix_workload_draws_new_distinct_tokens_each_run():
+    from mrv2.bench.workloads import SharedPrefixWorkload
+
+    wl = make_workload("shared-prefix", 1000, seed=3, num_requests=3, prefix_len=8,
+                       suffix_len=2, output_len=4)
+    assert isinstance(wl, SharedPrefixWorkload) and wl.keep_prefix_cache
+    assert wl.input_lens == [10] * 3 and wl.output_lens == [4] * 3
+    assert all(p[:8] == wl.prefix for p in wl.prompts)
+    first, second = wl.requests(), wl.requests()
+    for draw in (first, second):
+        assert all(r["prompt_token_ids"][:8] == wl.prefix for r in draw)
+    tails = ([tuple(p[8:]) for p in wl.prompts]
+             + [tuple(r["prompt_token_ids"][8:]) for r in first + second])
+    assert len(set(tails)) == len(tails)                       # no whole prompt repeats
+    again = make_workload("shared-prefix", 1000, seed=3, num_requests=3, prefix_len=8,
+                          suffix_len=2, output_len=4)
+    assert again.prompts == wl.prompts and again.requests() == first   # seeded
+    assert not make_workload("standard", 1000, tiny=True).keep_prefix_cache
+
+
+def test_generate_timed_empties_the_prefix_cache_unless_the_workload_keeps_it():
+    resets = []
+
+    class FakeLLM:
+        engine = types.SimpleNamespace(num_steps=0)
+        kv_manager = types.SimpleNamespace(reset_prefix_cache=lambda: resets.append(1))
+
+        def generate(self, requests, params, use_tqdm):
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1])],
+                                          num_cached_tokens=2) for _ in requests]
+
+    llm_runs.generate_timed(FakeLLM(), make_workload("standard", 100, tiny=True))
+    assert len(resets) == 1
+    res = llm_runs.generate_timed(FakeLLM(), make_workload("shared-prefix", 100, tiny=True))
+    assert len(resets) == 1 and res["cached_prompt_tokens"] == 2 * 4
+    assert res["prompt_tokens"] == 4 * (32 + 5)
+
+
+@pytest.mark.slow
+def test_shared_prefix_tiny_with_and_without_caching(tmp_path):
+    res = _run_cli(tmp_path, "throughput", "--workload", "shared-prefix", "--runner", "v2",
+                   "--prefix-caching", "both", "--num-requests", "2")
+    on, off = res["runners"]["v2"], res["runners"]["v2-no-pc"]
+    assert on["settings"]["enable_prefix_caching"] and not off["settings"]["enable_prefix_caching"]
+    # The warm-up cached the 32-token prefix (2 blocks of 16); the timed run hit it.
+    assert on["cached_prompt_tokens"] == 2 * 32 and off["cached_prompt_tokens"] == 0
+    assert on["output_tokens"] == off["output_tokens"] == 2 * 3
+    assert res["ratios"]["v2/v2-no-pc"] == pytest.approx(on["output_tok_s"] / off["output_tok_s"])
+    assert res["workload_stats"]["prefix_len"] == 32

@@ -1,7 +1,8 @@
 """Scheduler + KV block pool property tests: random arrivals, finishes and tight pools.
 
 No model runs here: sampled tokens are simulated, so thousands of steps are cheap.
-Invariants: the token budget and request cap hold, blocks are never shared or lost,
+Invariants: the token budget and request cap hold, blocks are never lost and a block's
+ref count is its number of holders (prefix caching shares blocks; small vocabularies hit),
 every scheduled request has room for its tokens, preempted requests come back with
 their output as prefill, and every request finishes with exactly max_tokens tokens.
 """
@@ -29,14 +30,16 @@ def _deliver(sched: Scheduler, out, token) -> None:
             sched.finish_request(req_id, "length")
 
 
-def _simulate(seed: int, steps: int = 400, async_scheduling: bool = False):
+def _simulate(seed: int, steps: int = 400, async_scheduling: bool = False,
+              enable_caching: bool = True):
     """Random arrivals into a tight pool; ``async_scheduling`` delivers each step's
     tokens only after the next step has been planned (as the async engine does)."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4, 8]),
                           max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=96)
     bs = rng.choice([1, 4, 16])
-    kv = KVCacheManager(num_blocks=cdiv(96, bs) + rng.randrange(0, 30), block_size=bs)
+    kv = KVCacheManager(num_blocks=cdiv(96, bs) + rng.randrange(0, 30), block_size=bs,
+                        enable_caching=enable_caching)
     sched = Scheduler(cfg, kv)
     reqs, n_next, preempted_seen = {}, 0, 0
     pending = None
@@ -65,10 +68,14 @@ def _simulate(seed: int, steps: int = 400, async_scheduling: bool = False):
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
         assert len(sched.running) <= cfg.max_num_seqs
-        # Blocks: disjoint, none lost, enough for every scheduled request.
+        # Blocks: held = ref count, never both free and held, none lost, enough for
+        # every scheduled request; without caching, never shared.
         owned = [b for blocks in kv.req_blocks.values() for b in blocks]
-        assert len(owned) == len(set(owned))
-        assert len(owned) + kv.num_free_blocks == kv.num_blocks
+        if not enable_caching:
+            assert len(owned) == len(set(owned))
+        assert all(kv.ref_cnt[b] == owned.count(b) for b in set(owned))
+        assert not set(owned) & set(kv.free_queue)
+        assert len(set(owned)) + kv.num_free_blocks == kv.num_blocks
         for req_id in out.num_scheduled_tokens:
             r = reqs[req_id]
             if r.is_finished:  # async: its last token arrived after this step was planned
@@ -105,13 +112,19 @@ def test_random_workloads_keep_invariants(seed, async_scheduling):
     _simulate(seed, async_scheduling=async_scheduling)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_keep_invariants_without_caching(seed):
+    _simulate(seed, async_scheduling=bool(seed % 2), enable_caching=False)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_some_workload_preempts(async_scheduling):
     assert sum(_simulate(s, async_scheduling=async_scheduling) for s in range(12)) > 0
 
 
-def test_preempted_request_reenters_with_its_output():
-    kv = KVCacheManager(num_blocks=4, block_size=2)
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_preempted_request_reenters_with_its_output(enable_caching):
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=enable_caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=8), kv)
     a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=4), 0)
     b = Request("b", [4, 5, 6, 7], SamplingParams(max_tokens=4), 1)
@@ -129,5 +142,8 @@ def test_preempted_request_reenters_with_its_output():
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
     sched.finish_request("a", "length")
     out = sched.schedule()
-    assert [n.req_id for n in out.new_reqs] == ["b"] and out.num_scheduled_tokens == {"b": 5}
-    assert out.finished_req_ids == {"a"}
+    assert [n.req_id for n in out.new_reqs] == ["b"] and out.finished_req_ids == {"a"}
+    if enable_caching:  # b's first block [4, 5] survived in the cache; [6, 7] was evicted for a
+        assert out.new_reqs[0].num_computed_tokens == 2 and out.num_scheduled_tokens == {"b": 3}
+    else:
+        assert out.new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {"b": 5}

@@ -168,3 +168,27 @@ def test_packed_rows_layout():
     assert packed.tolist() == [7, 0, 8, 2, 9, 2, 1, 2, 3, 4, 5]
     packed, meta, tail, starts = packed_rows(4, [])
     assert packed.size == meta.size == tail.size == starts.size == 0
+
+
+def test_num_computed_tokens_carried_by_the_staged_write():
+    """A prefix-cache hit starts the device row at its length: kernel == reference; a
+    start that leaves no token to compute is refused before anything is staged."""
+    table, ref = RequestStateTable(3, 16, DEVICE), RequestStateTable(3, 16, DEVICE)
+    staged = []
+    for i, (n, computed) in enumerate([(16, 15), (9, 8), (5, 0)]):   # 15 = max_model_len - 1
+        ids = list(range(100 + i, 100 + i + n))
+        row = table.add_request(f"r{i}", ids, n, num_computed_tokens=computed)
+        top_k, floats, seed = _expected_row({})
+        staged.append((row, ids, n, top_k, floats, seed, computed))
+    table.apply_staged_writes()
+    names = ("token_ids", "prompt_len", "prefill_len", "total_len", "num_computed_tokens",
+             "last_sampled_token", "top_k", "float_params", "seed")
+    apply_state_writes_ref(staged, *(getattr(ref, n) for n in names))
+    for n in names:
+        torch.testing.assert_close(getattr(table, n), getattr(ref, n), msg=n)
+    assert table.num_computed_tokens.tolist() == [15, 8, 0]
+    fresh = RequestStateTable(2, 16, DEVICE)
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="num_computed_tokens"):
+            fresh.add_request("x", [1, 2, 3, 4], 4, num_computed_tokens=bad)
+    assert fresh.num_reqs == 0 and not fresh.has_staged_writes

@@ -6,6 +6,7 @@
     python -m mrv2 bench decode --plot      # decode step time, CUDA graphs vs eager, B=1,64,256
     python -m mrv2 bench timeline --plot    # GPU idle between steps, async off vs on
     python -m mrv2 bench throughput --tiny --runner v2 --out /tmp/t.json   # CPU, seconds
+    python -m mrv2 bench latency --workload shared-prefix --prefix-caching both  # TTFT on/off
 """
 
 from __future__ import annotations
@@ -38,9 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "without CUDA graphs), timeline (GPU idle with async off and on)")
     p.add_argument("--runner", type=_runner_list, default=["v2", "v1", "hf"],
                    help="comma list of v2, v1, hf (run one after another in this process)")
-    p.add_argument("--workload", choices=["standard", "host-bound"], default="standard",
+    p.add_argument("--workload", choices=["standard", "host-bound", "shared-prefix"],
+                   default="standard",
                    help="throughput workload (standard: 256 x [100,1024] in/out; "
-                        "host-bound: 1024 x 32 in / 128 out)")
+                        "host-bound: 1024 x 32 in / 128 out; shared-prefix: 256 x (a shared "
+                        "1024-token prefix + 64 own tokens) in / 128 out). latency: only "
+                        "shared-prefix changes its prompts (batch x (prefix + own tokens))")
+    p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
+                   help="the mrv2 runners' LLM(enable_prefix_caching=...); both: each runner "
+                        "twice, the one without caching labelled <runner>-no-pc")
+    p.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=None,
+                   help="shared-prefix: distinct tokens per request")
     p.add_argument("--model", default=None, help="HF folder (default: Qwen3-0.6B config from "
                    "$MRV2_SHARED_DATA with dummy weights on a GPU; the embedded model on the CPU)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default=None)
@@ -99,7 +109,8 @@ def config_from_args(args: argparse.Namespace):
         hf_cache=None if args.hf_cache == "dynamic" else args.hf_cache,
         batch_sizes=args.batch_sizes, latency_iters=args.latency_iters,
         sweep_batch=args.sweep_batch, profile=args.profile, timeline=args.timeline,
-        repeats=args.repeats)
+        repeats=args.repeats, prefix_caching=args.prefix_caching,
+        prefix_len=args.prefix_len, suffix_len=args.suffix_len)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:  # a bad option or model: say which, no traceback
         print(f"[bench] error: {e}")
         return 2
-    out = args.out or default_out_path(cfg.kind, cfg.workload if cfg.kind == "throughput"
-                                       else None, cfg.tiny)
+    out = args.out or default_out_path(
+        cfg.kind, cfg.workload if cfg.kind == "throughput" or cfg.workload == "shared-prefix"
+        else None, cfg.tiny)
     path = write_json(results, out)
     print((throughput_table if cfg.kind == "throughput" else latency_table)(results))
     print(f"[bench] wrote {path}")

@@ -8,6 +8,7 @@ requests), a batch-size sweep, a ``torch.profiler`` trace and a per-step timelin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import time
@@ -45,6 +46,17 @@ class EngineSizes:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     cudagraph_mode: str | None = None  # LLM(cudagraph_mode=...) of the mrv2 runners
+    enable_prefix_caching: bool = True
+
+
+def caching_variants(runners: list[str], caching: list[bool]) -> list[tuple[str, str, bool]]:
+    """``(label, runner, enable_prefix_caching)`` for every mrv2 runner and caching setting.
+
+    With both settings the runner without caching is labelled ``<runner>-no-pc``;
+    with one setting the label is the runner's name (the JSON's settings say which).
+    """
+    return [(name if on or len(caching) == 1 else f"{name}-no-pc", name, on)
+            for name in runners for on in caching]
 
 
 def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
@@ -56,23 +68,32 @@ def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
                max_num_batched_tokens=sizes.max_num_batched_tokens,
                max_model_len=sizes.max_model_len, enforce_eager=sizes.enforce_eager,
                runner=runner, async_scheduling=sizes.async_scheduling,
-               cudagraph_mode=sizes.cudagraph_mode)
+               cudagraph_mode=sizes.cudagraph_mode,
+               enable_prefix_caching=sizes.enable_prefix_caching)
 
 
 def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
     """One timed ``llm.generate`` of the workload (no progress bar: it costs host time).
 
+    The prefix cache is emptied first unless the workload keeps it warm
+    (``Workload.keep_prefix_cache``): a repeated run must not hit its own prompts.
+
     Returns:
-        ``throughput_figures`` of the run (output tokens counted from the outputs), and
-        ``triton_compiles``: kernel variants compiled inside the timed run (should be 0).
+        ``throughput_figures`` of the run (output tokens counted from the outputs),
+        ``triton_compiles``: kernel variants compiled inside the timed run (should be 0),
+        and ``cached_prompt_tokens`` / ``prompt_tokens``: the prefix-cache hits.
     """
     steps0 = llm.engine.num_steps
+    if not wl.keep_prefix_cache:
+        llm.kv_manager.reset_prefix_cache()
     requests, params = wl.requests(), wl.sampling_params(max_tokens)  # built before the clock
     with count_triton_compiles() as compiled:
         outs, wall = timed(lambda: llm.generate(requests, params, use_tqdm=False))
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res = throughput_figures(wall, n_out, llm.engine.num_steps - steps0)
     res["triton_compiles"] = len(compiled)
+    res["cached_prompt_tokens"] = sum(o.num_cached_tokens for o in outs)
+    res["prompt_tokens"] = sum(len(r["prompt_token_ids"]) for r in requests)
     if compiled:
         res["compiled_kernels"] = sorted(set(compiled))
     return res
@@ -102,6 +123,7 @@ def describe(llm) -> dict:
             "max_num_batched_tokens": llm.scheduler_config.max_num_batched_tokens,
             "max_model_len": llm.scheduler_config.max_model_len,
             "num_gpu_blocks": getattr(llm.kv_manager, "num_blocks", None),
+            "enable_prefix_caching": llm.kv_manager.enable_caching,
             "block_size": llm.cache_config.block_size}
 
 
@@ -229,14 +251,18 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
 
 
 def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
-                batches: list[Workload], *, iters: int,
+                batches: list[Workload], *, iters: int, caching: tuple[bool, ...] = (True,),
                 log=print) -> dict[str, tuple[dict, dict | None]]:
     """Build every mrv2 runner named, then measure TTFT/TPOT with the runners taking turns
     (:func:`mrv2.bench.timing.interleaved_latency_rows`; the latency sizes are small, so
     the runners fit on the device together).
 
+    Args:
+        caching: prefix caching settings; each runner is built once per setting
+            (labels from :func:`caching_variants`).
+
     Returns:
-        Runner name -> ``(figures, model_info)`` as :func:`run_throughput`; a runner that
+        Label -> ``(figures, model_info)`` as :func:`run_throughput`; a runner that
         fails to build gets ``({"error": ..., "traceback": ...}, None)``.
     """
     from mrv2.bench.report import error_row
@@ -244,10 +270,10 @@ def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
     from mrv2.bench.timing import interleaved_latency_rows
 
     out, built = {}, {}
-    for name in runners:
+    for name, runner, on in caching_variants(runners, list(caching)):
         t0 = time.perf_counter()
         try:
-            llm = build_llm(spec, name, sizes)
+            llm = build_llm(spec, runner, dataclasses.replace(sizes, enable_prefix_caching=on))
         except Exception as e:  # noqa: BLE001  (the other runners still run)
             out[name] = (error_row(name, e, log), None)
             continue

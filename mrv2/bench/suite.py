@@ -18,9 +18,11 @@ from mrv2.bench import hf_runs, llm_runs
 from mrv2.bench.report import REPO_ROOT, environment, error_row
 from mrv2.bench.roofline import copy_bandwidth, decode_roofline, workload_roofline
 from mrv2.bench.timing import free_device_memory
-from mrv2.bench.workloads import make_workload, random_workload
+from mrv2.bench.workloads import make_workload, random_workload, shared_prefix_workload
 
 RUNNERS = ("v2", "v1", "hf")
+#: ``--prefix-caching`` -> the settings each mrv2 runner is built with.
+PREFIX_CACHING = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 @dataclass
@@ -32,7 +34,7 @@ class BenchConfig:
 
     kind: str = "throughput"                  # "throughput" or "latency"
     runners: list[str] = field(default_factory=lambda: ["v2", "v1", "hf"])
-    workload: str = "standard"                # throughput: "standard" or "host-bound"
+    workload: str = "standard"                # "standard", "host-bound" or "shared-prefix"
     model: str | None = None                  # None: Qwen3-0.6B config (GPU) / embedded (CPU)
     load_format: str | None = None            # None: "dummy" for a bare config, else "auto"
     dtype: str = "auto"
@@ -59,12 +61,18 @@ class BenchConfig:
     copy_bytes: int | None = None
     repeats: int | None = None                # timed runs per mrv2 runner (fastest counts):
                                               # default 2 on a GPU, 1 on the CPU / tiny
+    prefix_caching: str = "on"                # mrv2 runners: "on", "off" or "both"
+    prefix_len: int | None = None             # shared-prefix: default 1024 (tiny: 32)
+    suffix_len: int | None = None             # shared-prefix: default 64 (tiny: 5)
 
     def __post_init__(self):
         if self.kind not in ("throughput", "latency"):
             raise ValueError(f"kind must be 'throughput' or 'latency', got {self.kind!r}")
         if self.repeats is not None and self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.prefix_caching not in PREFIX_CACHING:
+            raise ValueError(f"prefix_caching must be one of {sorted(PREFIX_CACHING)}, "
+                             f"got {self.prefix_caching!r}")
         bad = [r for r in self.runners if r not in RUNNERS]
         if bad or not self.runners:
             raise ValueError(f"runners must be a non-empty subset of {RUNNERS}, got {self.runners}")
@@ -139,7 +147,7 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     spec, hf_config = resolve_model(cfg)
     tiny, vocab = cfg.tiny, hf_config.vocab_size
     wl = make_workload(cfg.workload, vocab, cfg.seed, cfg.num_requests, cfg.input_len,
-                       cfg.output_len, tiny)
+                       cfg.output_len, tiny, cfg.prefix_len, cfg.suffix_len)
     sweep = [random_workload(f"sweep-b{b}", b, (cfg.input_len or (16 if tiny else 128),) * 2,
                              (cfg.output_len or (4 if tiny else 256),) * 2, vocab, cfg.seed)
              for b in cfg.sweep_batch or []]
@@ -158,18 +166,21 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     # a small warm-up cannot all reach: on a GPU a first full run absorbs them.
     repeats = cfg.repeats or (2 if platform.HAS_CUDA and not tiny else 1)
     info = None
-    for name in cfg.runners:
+    caching = list(PREFIX_CACHING[cfg.prefix_caching])
+    for label, name, on in [v for r in cfg.runners for v in (
+            [("hf", "hf", False)] if r == "hf" else llm_runs.caching_variants([r], caching))]:
         if name == "hf":
             fn = lambda: hf_runs.run_throughput(
                 spec, hf_wl, batch_size=cfg.hf_batch_size or max_num_seqs,
                 cache_implementation=cfg.hf_cache, sweep=sweep, log=log)
         else:
-            fn = lambda name=name: llm_runs.run_throughput(
-                spec, name, sizes, wl, warmup_requests=_default(cfg.warmup_requests, 32, 2, tiny),
+            fn = lambda name=name, on=on: llm_runs.run_throughput(
+                spec, name, dataclasses.replace(sizes, enable_prefix_caching=on), wl,
+                warmup_requests=_default(cfg.warmup_requests, 32, 2, tiny),
                 warmup_tokens=_default(cfg.warmup_tokens, 16, 2, tiny), subset=subset,
                 sweep=sweep, profile_dir=cfg.profile if name == first_mrv2 else None,
                 timeline=cfg.timeline, repeats=repeats, log=log)
-        results["runners"][name], runner_info = _guarded(name, fn, log)
+        results["runners"][label], runner_info = _guarded(label, fn, log)
         info = info or runner_info
     results["model_info"] = info
     results["ratios"] = throughput_ratios(results["runners"])
@@ -188,6 +199,9 @@ def throughput_ratios(runners: dict) -> dict:
     ratios = {}
     if tok("v2") and tok("v1"):
         ratios["v2/v1"] = tok("v2") / tok("v1")
+    for name in ("v2", "v1"):  # prefix caching on / off
+        if tok(name) and tok(f"{name}-no-pc"):
+            ratios[f"{name}/{name}-no-pc"] = tok(name) / tok(f"{name}-no-pc")
     for name in ("v2", "v1"):
         same = tok(name, "subset") or tok(name)  # the subset run holds HF's exact requests
         if tok("hf") and same:
@@ -226,7 +240,11 @@ def _throughput_notes(repeats: int, wl, hf_wl, with_hf: bool) -> list[str]:
               + (f"; mrv2 runners: fastest of {repeats} timed runs (all under 'runs': the "
                  "first also absorbs one-time kernel compilations), hf: one run"
                  if repeats > 1 else "")),
-             "ratios a/b = output tok/s of a / output tok/s of b (higher: a is faster)"]
+             "ratios a/b = output tok/s of a / output tok/s of b (higher: a is faster)",
+             ("prefix cache: emptied before every timed run, except on shared-prefix, where "
+              "each run draws new distinct tokens after the shared prefix (so only the "
+              "prefix, warm from the warm-up, can hit); <runner>-no-pc = the same runner "
+              "without caching; cached_prompt_tokens / prompt_tokens per run")]
     if with_hf:
         notes += hf_runs.NOTES
         if hf_wl is not wl:
@@ -246,8 +264,15 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     tiny = cfg.tiny
     sizes_b = cfg.batch_sizes or ([1, 2] if tiny else [1, 8, 32])
     in_len, out_len = cfg.input_len or (16 if tiny else 128), cfg.output_len or (4 if tiny else 128)
-    batches = [random_workload(f"latency-b{b}", b, (in_len, in_len), (out_len, out_len),
-                               hf_config.vocab_size, cfg.seed) for b in sizes_b]
+    if cfg.workload == "shared-prefix":  # a shared prefix + distinct tokens (new every run)
+        prefix = cfg.prefix_len or (32 if tiny else 1024)
+        suffix = cfg.suffix_len or (5 if tiny else 64)
+        in_len = prefix + suffix
+        batches = [shared_prefix_workload(f"latency-shared-b{b}", b, prefix, suffix, out_len,
+                                          hf_config.vocab_size, cfg.seed) for b in sizes_b]
+    else:
+        batches = [random_workload(f"latency-b{b}", b, (in_len, in_len), (out_len, out_len),
+                                   hf_config.vocab_size, cfg.seed) for b in sizes_b]
     sizes = llm_runs.EngineSizes(max(sizes_b + [cfg.max_num_seqs or 0]), in_len + out_len,
                                  cfg.max_num_batched_tokens, cfg.enforce_eager,
                                  cfg.async_scheduling, cfg.cudagraph_mode)
@@ -259,7 +284,7 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     if mrv2_runners:  # built together, measured taking turns
         try:
             measured = llm_runs.run_latency(spec, mrv2_runners, sizes, batches, iters=iters,
-                                            log=log)
+                                            caching=PREFIX_CACHING[cfg.prefix_caching], log=log)
         except Exception as e:  # noqa: BLE001  (hf may still run)
             error = error_row(", ".join(mrv2_runners), e, log)
             measured = {n: (dict(error), None) for n in mrv2_runners}
@@ -284,6 +309,9 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
         ("the mrv2 runners are built together and take turns run by run (a drift of the "
          "host falls on both alike); hf runs after them"),
         "latency ratios a/b = TPOT (or TTFT) of a / of b (lower: a is faster)",
+        ("prefix cache: emptied before every timed run, except on shared-prefix, where each "
+         "run draws new distinct tokens after the shared prefix (so only the prefix, warm "
+         "from the warm-up, can hit); <runner>-no-pc = the same runner without caching"),
         ("roofline per_batch step_ms is the best possible TPOT at that batch (context = "
         "input_len + output_len / 2)")]
     return results
@@ -296,7 +324,8 @@ def latency_ratios(runners: dict) -> dict:
         return {row["batch_size"]: row for row in r.get("batches", [])}
 
     out = {}
-    for a, b in (("v2", "v1"), ("v2", "hf"), ("v1", "hf")):
+    for a, b in (("v2", "v1"), ("v2", "hf"), ("v1", "hf"), ("v2", "v2-no-pc"),
+                 ("v1", "v1-no-pc")):
         ra, rb = rows(a), rows(b)
         common = sorted(set(ra) & set(rb))
         if common:

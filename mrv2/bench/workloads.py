@@ -4,6 +4,11 @@ Every runner of one benchmark sees the very same prompts (numpy
 ``RandomState(seed)``: lengths first, then the token ids), so the figures compare
 runners, not inputs. Token ids are uniform in ``[0, vocab)``; requests set
 ``ignore_eos`` so each produces exactly its requested number of tokens.
+
+``shared-prefix`` (prefix caching): every prompt is one shared prefix (a system prompt)
+followed by its own distinct tokens. Each timed run draws new distinct tokens, so only
+the prefix can be found in the cache, never a whole prompt of an earlier run; the other
+workloads start every timed run with an empty prefix cache (``keep_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import numpy as np
 WORKLOADS = {
     "standard": {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     "host-bound": {"num_requests": 1024, "input_len": (32, 32), "output_len": (128, 128)},
+    "shared-prefix": {"num_requests": 256, "prefix_len": 1024, "suffix_len": 64,
+                      "output_len": 128},
 }
 
 #: ``--tiny``: the same shapes, shrunk so the Triton interpreter runs them in seconds.
 TINY_WORKLOADS = {
     "standard": {"num_requests": 4, "input_len": (8, 20), "output_len": (3, 8)},
     "host-bound": {"num_requests": 6, "input_len": (8, 8), "output_len": (5, 5)},
+    "shared-prefix": {"num_requests": 4, "prefix_len": 32, "suffix_len": 5, "output_len": 3},
 }
 
 #: Sampling of every benchmark request (nano-vllm / mini-sglang protocol).
@@ -43,6 +51,8 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
     temperature: float = TEMPERATURE
+    #: Keep the prefix cache warm between runs (else each timed run starts it empty).
+    keep_prefix_cache = False
 
     @property
     def num_requests(self) -> int:
@@ -114,18 +124,72 @@ def random_workload(name: str, num_requests: int, input_len: tuple[int, int],
     return Workload(name, prompts, [int(n) for n in out_lens])
 
 
+class SharedPrefixWorkload(Workload):
+    """One shared prefix + distinct tokens per request; new distinct tokens every run.
+
+    ``prompts`` holds draw 0 (what the warm-up and the lengths use); each
+    ``requests()`` call draws the next set of distinct tokens (seeded by the draw), so a
+    timed run can hit the prefix but never a whole prompt from an earlier run.
+    """
+
+    keep_prefix_cache = True
+
+    def __init__(self, name: str, prefix: list[int], suffix_len: int, output_lens: list[int],
+                 vocab_size: int, seed: int = 0, temperature: float = TEMPERATURE):
+        self.prefix, self.suffix_len, self.vocab_size, self.seed = prefix, suffix_len, vocab_size, seed
+        self._draws = 0
+        super().__init__(name, self._draw(0, len(output_lens)), output_lens, temperature)
+
+    def _draw(self, k: int, n: int) -> list[list[int]]:
+        rs = np.random.RandomState([self.seed, k + 1])
+        return [self.prefix + rs.randint(0, self.vocab_size, size=self.suffix_len).tolist()
+                for _ in range(n)]
+
+    def requests(self) -> list[dict]:
+        """The prompts of the next draw (1, 2, ...) in ``LLM.generate`` form."""
+        self._draws += 1
+        return [{"prompt_token_ids": p} for p in self._draw(self._draws, self.num_requests)]
+
+    def summary(self) -> dict:
+        return {**super().summary(), "prefix_len": len(self.prefix), "suffix_len": self.suffix_len}
+
+
+def shared_prefix_workload(name: str, num_requests: int, prefix_len: int, suffix_len: int,
+                           output_len: int, vocab_size: int, seed: int = 0) -> SharedPrefixWorkload:
+    """``num_requests`` prompts of one random ``prefix_len`` prefix + ``suffix_len`` own tokens.
+
+    Args:
+        name: workload name.
+        num_requests, prefix_len, suffix_len, output_len: sizes (``suffix_len >= 1``).
+        vocab_size: token ids are uniform in ``[0, vocab_size)``.
+        seed: seeds the prefix and every draw of distinct tokens.
+
+    Returns:
+        The ``SharedPrefixWorkload``.
+    """
+    for what, v in (("num_requests", num_requests), ("prefix_len", prefix_len),
+                    ("suffix_len", suffix_len), ("output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"{what} must be >= 1, got {v}")
+    prefix = np.random.RandomState([seed, 0]).randint(0, vocab_size, size=prefix_len).tolist()
+    return SharedPrefixWorkload(name, prefix, suffix_len, [output_len] * num_requests,
+                                vocab_size, seed)
+
+
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None,
                   input_len: int | None = None, output_len: int | None = None,
-                  tiny: bool = False) -> Workload:
+                  tiny: bool = False, prefix_len: int | None = None,
+                  suffix_len: int | None = None) -> Workload:
     """A named throughput workload, with optional overrides.
 
     Args:
-        name: ``"standard"`` or ``"host-bound"``.
+        name: ``"standard"``, ``"host-bound"`` or ``"shared-prefix"``.
         vocab_size: the model's vocabulary size.
         seed: the workload seed.
         num_requests: overrides the number of requests.
         input_len, output_len: override the length ranges with one fixed length.
         tiny: the CPU preset (``TINY_WORKLOADS``).
+        prefix_len, suffix_len: override the shared-prefix sizes.
 
     Returns:
         The ``Workload``.
@@ -134,6 +198,11 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int |
     if name not in table:
         raise ValueError(f"workload must be one of {sorted(table)}, got {name!r}")
     spec = table[name]
+    if name == "shared-prefix":
+        return shared_prefix_workload(name, num_requests or spec["num_requests"],
+                                      prefix_len or spec["prefix_len"],
+                                      suffix_len or spec["suffix_len"],
+                                      output_len or spec["output_len"], vocab_size, seed)
     return random_workload(name, num_requests or spec["num_requests"],
                            (input_len,) * 2 if input_len else spec["input_len"],
                            (output_len,) * 2 if output_len else spec["output_len"],

@@ -9,8 +9,9 @@ notebooks/02_stable_state_table.ipynb.
 Packed layout (``n`` staged rows, ``L`` staged tokens in all):
 
 * ``packed_ints`` int32 ``[n * NUM_META + L]``: per staged row ``(row, token_start,
-  num_tokens, prompt_len, top_k)``, then the token ids of all rows back to back
-  (``token_start`` indexes that flat tail).
+  num_tokens, prompt_len, top_k, num_computed_tokens)``, then the token ids of all rows
+  back to back (``token_start`` indexes that flat tail). ``num_computed_tokens`` is 0,
+  or the length of the prefix-cache hit whose KV is already in the request's blocks.
 * ``packed_floats`` f32 ``[n, NUM_FLOATS]``: the float sampling parameters in the
   order of ``FLOAT_PARAMS``.
 * ``packed_seeds`` int64 ``[n]``.
@@ -26,7 +27,7 @@ import triton.language as tl
 from mrv2.kernels.block_table import COPY_BLOCK
 
 #: Fields per staged row at the head of ``packed_ints``.
-META_FIELDS = ("row", "token_start", "num_tokens", "prompt_len", "top_k")
+META_FIELDS = ("row", "token_start", "num_tokens", "prompt_len", "top_k", "num_computed_tokens")
 NUM_META = len(META_FIELDS)
 #: The float sampling parameters, in the row order of ``RequestStateTable.float_params``.
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -51,6 +52,7 @@ def _apply_state_writes_kernel(
     num_tokens = tl.load(meta + 2)
     prompt_len = tl.load(meta + 3)
     top_k = tl.load(meta + 4)
+    num_computed = tl.load(meta + 5)
     # Scatter its token ids into token_ids[row, :num_tokens].
     src = packed_ints_ptr + num_staged * NUM_META + token_start
     dst = token_ids_ptr + row * token_ids_stride
@@ -58,11 +60,12 @@ def _apply_state_writes_kernel(
         offs = start + tl.arange(0, BLOCK)
         mask = offs < num_tokens
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-    # Per-row scalars: a fresh request has computed nothing and sampled nothing.
+    # Per-row scalars: a fresh request has sampled nothing and computed only its
+    # prefix-cache hit (0 without one).
     tl.store(prompt_len_ptr + row, prompt_len)
     tl.store(prefill_len_ptr + row, num_tokens)
     tl.store(total_len_ptr + row, num_tokens)
-    tl.store(num_computed_ptr + row, 0)
+    tl.store(num_computed_ptr + row, num_computed)
     tl.store(last_sampled_ptr + row, -1)
     tl.store(top_k_ptr + row, top_k)
     # Float sampling params: a column of float_params [NUM_FLOATS, rows].
@@ -102,7 +105,7 @@ def apply_state_writes(packed_ints: torch.Tensor, packed_floats: torch.Tensor,
     )
 
 
-def apply_state_writes_ref(staged: list[tuple[int, list[int], int, int, list[float], int]],
+def apply_state_writes_ref(staged: list[tuple],
                            token_ids: torch.Tensor, prompt_len: torch.Tensor,
                            prefill_len: torch.Tensor, total_len: torch.Tensor,
                            num_computed_tokens: torch.Tensor,
@@ -111,13 +114,15 @@ def apply_state_writes_ref(staged: list[tuple[int, list[int], int, int, list[flo
     """Plain-torch specification of the kernel, on unpacked rows (in place).
 
     Args:
-        staged: ``(row, token_ids, prompt_len, top_k, float_params, seed)`` per row,
-            ``float_params`` in the order of ``FLOAT_PARAMS``.
+        staged: ``(row, token_ids, prompt_len, top_k, float_params, seed[,
+            num_computed_tokens])`` per row, ``float_params`` in the order of
+            ``FLOAT_PARAMS``; ``num_computed_tokens`` defaults to 0.
         token_ids ... seed: the table tensors, written in place.
     """
-    for row, ids, plen, k, floats, s in staged:
+    for row, ids, plen, k, floats, s, *computed in staged:
         token_ids[row, :len(ids)] = torch.tensor(ids, dtype=token_ids.dtype)
         prompt_len[row], prefill_len[row], total_len[row] = plen, len(ids), len(ids)
-        num_computed_tokens[row], last_sampled_token[row], top_k[row] = 0, -1, k
+        num_computed_tokens[row] = computed[0] if computed else 0
+        last_sampled_token[row], top_k[row] = -1, k
         float_params[:, row] = torch.tensor(floats, dtype=float_params.dtype)
         seed[row] = s

@@ -174,7 +174,7 @@ class V1ModelRunner(RunnerInterface):
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prefill_token_ids[:new.prompt_len]),
                 list(new.prefill_token_ids[new.prompt_len:]), sp, list(new.block_ids),
-                num_computed_tokens=0, generator=generator)
+                num_computed_tokens=new.num_computed_tokens, generator=generator)
         for req_id, block_ids in sched.new_block_ids.items():
             self.requests[req_id].block_ids.extend(block_ids)
             row = batch.req_id_to_index.get(req_id)
