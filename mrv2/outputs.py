@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mrv2.metrics import RequestMetrics
+
 
 @dataclass
 class Logprob:
@@ -57,6 +59,8 @@ class RequestOutput:
         prompt_logprobs: per prompt token, its log-probabilities, when asked for.
         outputs: one ``CompletionOutput`` per completion (``SamplingParams.n``).
         finished: whether every completion has finished.
+        metrics: arrival, scheduling, first/last token and finish times
+            (``mrv2.metrics.RequestMetrics``).
     """
 
     request_id: str
@@ -65,3 +69,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: RequestMetrics | None = None

@@ -50,6 +50,12 @@ class Request:
         self.prompt_logprobs: list | None = None
         self.cumulative_logprob: float | None = (
             0.0 if sampling_params.logprobs is not None else None)
+        # Wall-clock timestamps (mrv2.metrics): stamped by LLM, scheduler and engine.
+        self.arrival_time: float | None = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,7 @@ from mrv2.kv_cache import cdiv
 from mrv2.model_state import ModelState
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.sample import Sampler, SamplingMetadata
+from mrv2.sample.bad_words import BadWordsState
 from mrv2.sample.logit_bias import LogitBiasState
 from mrv2.sample.logits_processors import LogitsProcessor, apply_logits_processors
 from mrv2.sample.penalties import PenaltyState, uses_penalties
@@ -91,6 +92,7 @@ class ModelRunner:
         self._row_logprobs = np.full(self.max_num_reqs, -1, dtype=np.int64)  # k, or -1: none
         self.prompt_logprobs = PromptLogprobsAccumulator(self.model_state.compute_logits)
         self.logit_bias = LogitBiasState(self.max_num_reqs, self.vocab_size, device)
+        self.bad_words = BadWordsState(self.max_num_reqs, device)
         # NOTE: [rows, vocab] counts are large: made at the first request with penalties.
         self.penalties: PenaltyState | None = None
         self._row_penalized = np.zeros(self.max_num_reqs, dtype=bool)
@@ -130,6 +132,7 @@ class ModelRunner:
             if req_id in self.state:
                 row = self.state.remove_request(req_id)
                 self.logit_bias.remove_request(row)
+                self.bad_words.remove_request(row)
                 if self.penalties is not None:
                     self.penalties.remove_request(row)
                 for proc in self.logits_processors:
@@ -146,6 +149,7 @@ class ModelRunner:
             self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
             prompt = new.prefill_token_ids[:new.prompt_len]
             self.logit_bias.add_request(row, sp)
+            self.bad_words.add_request(row, sp)
             for proc in self.logits_processors:
                 proc.add_request(row, prompt, sp)
             self._row_penalized[row] = uses_penalties(sp)
@@ -165,6 +169,7 @@ class ModelRunner:
         self.state.apply_staged_writes()
         self.block_tables.apply_staged_writes()
         self.logit_bias.apply_staged_writes()
+        self.bad_words.apply_staged_writes()
         if self.penalties is not None:
             self.penalties.apply_staged_writes()
         for proc in self.logits_processors:
@@ -210,10 +215,11 @@ class ModelRunner:
         idx_mapping = batch.idx_mapping[:num_reqs]
         max_logprobs = int(self._row_logprobs[rows].max())
         biased = self.logit_bias.any_active(rows)
+        banned = self.bad_words.any_active(rows)
         penalized = bool(self._row_penalized[rows].any())
         # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
         # reading bf16 and converting in registers) skips a [B, V] fp32 copy.
-        if (max_logprobs >= 0 or biased or penalized or self.logits_processors
+        if (max_logprobs >= 0 or biased or banned or penalized or self.logits_processors
                 or meta.needs_top_k_top_p):
             logits = logits.float()                                            # [B, V]
         # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
@@ -221,6 +227,8 @@ class ModelRunner:
         # Logit rules, in place: bias / allowed ids / min_tokens, penalties, processors.
         if biased:
             self.logit_bias.apply(logits, idx_mapping, self.state)
+        if banned:
+            self.bad_words.apply(logits, idx_mapping, self.state)
         if penalized:
             self.penalties.apply(logits, idx_mapping, self.state)
         logits = apply_logits_processors(self.logits_processors, logits, idx_mapping, self.state)
