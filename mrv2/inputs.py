@@ -115,7 +115,8 @@ def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None,
 
     Args:
         ids: the prompt's token ids.
-        truncate_prompt_tokens: ``None`` (keep all), ``-1`` (``max_model_len``) or k >= 1.
+        truncate_prompt_tokens: ``None`` (keep all), ``-1`` (``max_model_len - 1``: the
+            longest prompt that leaves room for one generated token) or k >= 1.
         max_model_len: the engine's length limit.
 
     Returns:
@@ -123,5 +124,5 @@ def truncate_prompt(ids: list[int], truncate_prompt_tokens: int | None,
     """
     if truncate_prompt_tokens is None:
         return ids
-    k = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    k = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
     return ids[-k:] if len(ids) > k else ids

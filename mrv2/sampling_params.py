@@ -37,8 +37,8 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
         bad_words: words never to generate: the last token of a word is banned whenever
             the generated tokens end with the word's other tokens (``mrv2/sample/bad_words.py``).
-        truncate_prompt_tokens: keep only the last k prompt tokens (-1: up to
-            ``max_model_len``; ``None``: no truncation).
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last
+            ``max_model_len - 1``; ``None``: no truncation).
     """
 
     n: int = 1
