@@ -12,7 +12,7 @@ from mrv2.cli import build_parser, sampling_params_from_args
 def test_help_imports_no_torch_and_has_no_rst():
     for args in ([], ["generate"]):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mrv2", *args, "--help"],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0, proc.stderr
         imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()}
         assert "torch" not in imported and "transformers" not in imported

@@ -11,7 +11,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 def _as_vllm(source: str) -> str:
     """The same script for vLLM: the import lines changed back, nothing else."""
-    return re.sub(r"^from mrv2(\.inputs)? import", r"from vllm\1 import", source, flags=re.M)
+    return re.sub(r"^from mrv2(\.inputs)? import", r"from vllm\1 import", source, flags=re.MULTILINE)
 
 
 @pytest.mark.parametrize("name,expect", [
