@@ -88,6 +88,12 @@ class LLM:
                 raise ValueError(f"{key}={value!r} is not supported (mrv2 runs on one device)")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        if kv_cache_memory_bytes is not None and (
+                isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)
+                or kv_cache_memory_bytes <= 0):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, "
+                             f"got {kv_cache_memory_bytes!r}")
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
@@ -115,12 +121,6 @@ class LLM:
             from mrv2.cpu_defaults import apply_cpu_threads
 
             apply_cpu_threads(self.model)  # tiny ops: fewer threads are faster
-        if kv_cache_memory_bytes is not None and (
-                isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)
-                or kv_cache_memory_bytes <= 0):
-            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, "
-                             f"got {kv_cache_memory_bytes!r}")
-        self.kv_cache_memory_bytes = kv_cache_memory_bytes
 
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         max_model_len = max_model_len or max_pos

@@ -139,3 +139,41 @@ def test_v1_runner_refuses_bad_words():
     v1 = LLM(max_model_len=64, max_num_seqs=2, runner="v1")
     with pytest.raises(ValueError, match="bad_words"):
         v1.generate("ROMEO:", SamplingParams(bad_words=["king"]), use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_words_never_sync_and_match_reference_bf16():
+    """The rule inside the async V2 loop (graphs, preemption) under sync-debug "error"."""
+    llm = LLM(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              num_gpu_blocks_override=16, block_size=4, async_scheduling=True)
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True,
+                             bad_words=["O", "king", "the lord"] if i % 2 else None)
+              for i in range(12)]
+    prompts = ["ROMEO:", "JULIET:", "First Citizen:"] * 4
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(o.finished for o in outs)
+    for o, sp in zip(outs, params):
+        for seq in sp.bad_words_token_ids or []:
+            ids = o.outputs[0].token_ids
+            assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids)))
+    # The kernel on bf16 logits on the device equals the reference.
+    rng = random.Random(3)
+    state, bad = _setup(rng, 4, 64, 32, [[1, 2], [], [3], [2, 2, 2]],
+                        [[[2, 7]], [[9]], [[3, 63]], [[2, 2, 5], [1, 4]]])
+    state_gpu = RequestStateTable(4, 32, "cuda")
+    bad_gpu = BadWordsState(4, "cuda", max_words=6, max_word_len=4)
+    for name in ("token_ids", "prompt_len", "total_len"):
+        getattr(state_gpu, name).copy_(getattr(state, name))
+    for name in ("num_words", "word_lens", "words"):
+        getattr(bad_gpu, name).copy_(getattr(bad, name))
+    logits = torch.randn(4, 64).bfloat16()
+    idx = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    expected = bad.apply(logits.float(), idx, state)
+    got = bad_gpu.apply(logits.cuda(), idx.cuda(), state_gpu).float().cpu()
+    torch.testing.assert_close(got, expected.bfloat16().float())
