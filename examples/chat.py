@@ -22,7 +22,7 @@ def print_outputs(outputs):
 
 def main():
     llm = LLM(model=MODEL)
-    sampling_params = SamplingParams(temperature=0.5, max_tokens=32, seed=0)
+    sampling_params = SamplingParams(temperature=0.5, max_tokens=16, seed=0)
 
     conversation = [
         {"role": "system", "content": "You are a helpful assistant"},
