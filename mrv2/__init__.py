@@ -5,7 +5,19 @@ imports ``mrv2.platform`` first: it decides the device and, without CUDA, turns
 on Triton's interpreter before any kernel is defined.
 """
 
-from mrv2 import platform  # noqa: F401  (must run before any Triton kernel is defined)
+import sys as _sys
+
+
+def _is_cli_start() -> bool:
+    """True while ``python -m mrv2 ...`` imports the package (the CLI imports platform itself)."""
+    argv = getattr(_sys, "orig_argv", [])
+    return _sys.argv[:1] == ["-m"] and any(
+        a == "-m" and b == "mrv2" for a, b in zip(argv, argv[1:], strict=False))  # noqa: RUF007 (3.10)
+
+
+# NOTE: platform imports torch (~1.5 s); `python -m mrv2 --help` should not wait for it.
+if not _is_cli_start():
+    from mrv2 import platform  # noqa: F401  (must run before any Triton kernel is defined)
 
 __version__ = "0.1.0"
 

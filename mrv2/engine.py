@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+from mrv2.metrics import now
 from mrv2.request import Request
 from mrv2.runner_interface import RunnerInterface
 from mrv2.sample.logprobs import make_logprob_dict
@@ -129,6 +130,7 @@ class Engine:
     def _apply(self, sched: SchedulerOutput, out) -> list[Request]:
         finished = []
         detok = self._detok_token if self.tokenizer is not None else None
+        t = now()
         for req_id, tensors in out.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             if req is not None:
@@ -142,6 +144,9 @@ class Engine:
                 continue  # it finished while this step was in flight: drop the extra sample
             req.num_output_placeholders -= 1
             req.output_token_ids.append(token)
+            req.last_token_time = t
+            if req.first_token_time is None:
+                req.first_token_time = t
             if req.logprobs is not None:
                 ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k
                 k = req.sampling_params.logprobs
@@ -181,12 +186,16 @@ class Engine:
         if reason is None:
             return False
         if stop_reason is None or isinstance(stop_reason, int):
-            req.output_text = self.detokenize(req)
+            # As vLLM's detokenizer: a stop token (EOS or stop_token_ids) stays in token_ids
+            # but its text leaves `text` unless include_stop_str_in_output.
+            drop = reason == "stop" and not sp.include_stop_str_in_output
+            req.output_text = self.detokenize(req, drop_last=drop)
         self.scheduler.finish_request(req.request_id, reason, stop_reason)
         return True
 
-    def detokenize(self, req: Request) -> str:
+    def detokenize(self, req: Request, drop_last: bool = False) -> str:
         if self.tokenizer is None or not req.sampling_params.detokenize:
             return ""
-        return self.tokenizer.decode(req.output_token_ids,
+        ids = req.output_token_ids[:-1] if drop_last else req.output_token_ids
+        return self.tokenizer.decode(ids,
                                      skip_special_tokens=req.sampling_params.skip_special_tokens)

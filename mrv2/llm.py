@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 from mrv2 import platform
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.engine import Engine
+from mrv2.inputs import check_unsupported_args, normalize_prompts, truncate_prompt
 from mrv2.kv_cache import KVCacheManager, cdiv
 from mrv2.model_state import ModelState
+from mrv2.metrics import group_metrics, now
 from mrv2.outputs import CompletionOutput, RequestOutput
 from mrv2.request import Request
 from mrv2.sampling_params import SamplingParams
@@ -49,6 +51,9 @@ class LLM:
         block_size: tokens per KV block.
         num_gpu_blocks_override: KV blocks in the pool (default: sized from memory).
         gpu_memory_utilization: fraction of GPU memory to use (model + KV cache).
+        kv_cache_memory_bytes: bytes for the KV pool (vLLM's name; overrides
+            ``gpu_memory_utilization``). On the CPU the default is a small budget
+            (``mrv2/cpu_defaults.py``; ``VLLM_CPU_KVCACHE_SPACE`` in GiB also works).
         enforce_eager: never use CUDA graphs (same as ``cudagraph_mode="NONE"``).
         cudagraph_mode: vLLM's names: ``"FULL"`` (decode steps and small prefill / mixed
             steps replay whole-forward graphs; the default), ``"FULL_DECODE_ONLY"``
@@ -79,6 +84,7 @@ class LLM:
                  runner: str | None = None, logits_processors=(),
                  async_scheduling: bool | None = None, model_state_cls=None,
                  cudagraph_mode: str | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_memory_bytes: int | None = None,
                  **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
@@ -87,6 +93,12 @@ class LLM:
                 raise ValueError(f"{key}={value!r} is not supported (mrv2 runs on one device)")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        if kv_cache_memory_bytes is not None and (
+                isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int)
+                or kv_cache_memory_bytes <= 0):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, "
+                             f"got {kv_cache_memory_bytes!r}")
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
@@ -110,6 +122,10 @@ class LLM:
         self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
                                                 load_format=load_format, seed=seed)
         self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
+        if not platform.HAS_CUDA:
+            from mrv2.cpu_defaults import apply_cpu_threads
+
+            apply_cpu_threads(self.model)  # tiny ops: fewer threads are faster
 
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         max_model_len = max_model_len or max_pos
@@ -126,7 +142,8 @@ class LLM:
             # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
             raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
                              f"{num_blocks * block_size} tokens, fewer than max_model_len="
-                             f"{max_model_len}: raise num_gpu_blocks_override or lower max_model_len")
+                             f"{max_model_len}: raise kv_cache_memory_bytes or "
+                             "num_gpu_blocks_override, or lower max_model_len")
 
         if runner == "v2":
             from mrv2.runner import ModelRunner
@@ -156,18 +173,23 @@ class LLM:
                                              self.dtype)
 
     def _auto_num_blocks(self) -> int:
-        """Blocks for the KV pool: what memory allows (GPU) or what the limits need (CPU)."""
+        """Blocks for the KV pool: what the memory budget allows, at most what the limits need."""
         cfg = self.scheduler_config
         enough = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.cache_config.block_size)
         per_block = self._kv_bytes_per_block()
-        if platform.HAS_CUDA:
+        if self.kv_cache_memory_bytes is not None:
+            budget = self.kv_cache_memory_bytes
+        elif platform.HAS_CUDA:
             free, total = torch.cuda.mem_get_info()
             used = total - free
             # NOTE: leave room for activations and logits of a full token budget.
             reserve = cfg.max_num_batched_tokens * self.hf_config.vocab_size * 4 + (1 << 30)
             budget = int(total * self.cache_config.gpu_memory_utilization) - used - reserve
         else:
-            budget = 2 << 30  # 2 GiB of host memory at most
+            from mrv2.cpu_defaults import cpu_kv_budget_bytes
+
+            budget = cpu_kv_budget_bytes(None, per_block // self.cache_config.block_size,
+                                         cfg.max_model_len)
         return max(1, min(enough, budget // per_block))
 
     # -- generation ---------------------------------------------------------------
@@ -175,43 +197,81 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's ``generation_config.json`` defaults (as vLLM)."""
+        from mrv2.generation_config import diff_sampling_params
+
+        return SamplingParams(**diff_sampling_params(self.model_path))
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, lora_request=None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the chat template (``mrv2.chat``).
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list
+                of conversations.
+            sampling_params: as in ``generate``.
+            chat_template: a Jinja template overriding the tokenizer's.
+            add_generation_prompt: end with the assistant turn's header.
+            continue_final_message: leave the last message open to be continued.
+            tools: tool schemas handed to the template.
+            chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+
+        Returns:
+            One ``RequestOutput`` per conversation.
+        """
+        from mrv2.chat import render_conversations
+
+        prompts = render_conversations(
+            self.tokenizer, messages, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+            chat_template_kwargs=chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
+
     def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, prompt_token_ids=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None,
+                 prompt_token_ids=None) -> list[RequestOutput]:
         """Generate completions for ``prompts``.
 
         Args:
-            prompts: a string, a list of strings, a ``{"prompt_token_ids": [...]}``
-                dict (or ``{"prompt": ...}``), or a list of such dicts.
-            sampling_params: one ``SamplingParams`` for all prompts, or one per prompt.
+            prompts: a string, a ``TextPrompt`` / ``TokensPrompt`` dict (``mrv2.inputs``),
+                or a list of them.
+            sampling_params: one ``SamplingParams`` for all prompts, or one per prompt
+                (``None``: ``get_default_sampling_params()``).
             use_tqdm: show a progress bar.
+            lora_request: only ``None`` (no LoRA).
+            priority: ``None`` or zeros (first-come-first-served).
 
         Returns:
             One ``RequestOutput`` per prompt, in input order.
         """
-        if prompts is None and prompt_token_ids is not None:
-            prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = normalize_prompts(prompts, prompt_token_ids)
+        check_unsupported_args(len(prompts), lora_request, priority)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         # Validate everything before submitting anything: a bad prompt loses no other request.
-        parsed = [self._parse_prompt(p) for p in prompts]
         for sp in params:
             self._check_params(sp)
+        parsed = [self._parse_prompt(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)]
         groups: list[list[Request]] = []
         for (text, ids), sp in zip(parsed, params):
-            groups.append([self._make_request(text, ids, sp, i) for i in range(sp.n)])
+            request_id = str(self._counter)  # one id per prompt, as vLLM: contiguous with n > 1
+            self._counter += 1
+            groups.append([self._make_request(request_id, text, ids, sp, i) for i in range(sp.n)])
         for group in groups:
             for req in group:
                 self.engine.add_request(req)
         self._run(len(groups), groups, use_tqdm)
         return [self._to_output(g) for g in groups]
 
-    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def _parse_prompt(self, prompt, truncate: int | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True "
@@ -220,9 +280,10 @@ class LLM:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self._parse_prompt(prompt["prompt"])
+            return self._parse_prompt(prompt["prompt"], truncate)
         else:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        ids = truncate_prompt(ids, truncate, self.scheduler_config.max_model_len)
         vocab = self.hf_config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -245,10 +306,18 @@ class LLM:
                 raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
         if sp.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+        if sp.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.bad_words needs a tokenizer "
+                                 "(skip_tokenizer_init=True)")
+            from mrv2.sample.bad_words import bad_words_token_ids
+
+            sp.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words, vocab)
         # Capacity limits and unsupported features (the V1 baseline supports fewer).
         self.runner.validate_params(sp, len(self.eos_token_ids))
 
-    def _make_request(self, text, ids, sp: SamplingParams, index: int) -> Request:
+    def _make_request(self, request_id: str, text, ids, sp: SamplingParams,
+                      index: int) -> Request:
         sp = sp.clone()
         user_seeded = sp.seed is not None
         if sp.seed is None:
@@ -256,9 +325,10 @@ class LLM:
         elif index:
             sp.seed += index  # the n completions of a seeded prompt differ, reproducibly
         sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-        req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text,
-                      index=index, user_seeded=user_seeded)
-        self._counter += 1
+        # NOTE: the engine's id of each of the n requests is unique; the output's is the prompt's.
+        req = Request(request_id if sp.n == 1 else f"{index}_{request_id}", ids, sp,
+                      arrival=int(request_id), prompt=text, index=index, user_seeded=user_seeded,
+                      parent_request_id=request_id, arrival_time=now())
         return req
 
     def _run(self, num_prompts: int, groups, use_tqdm: bool) -> None:
@@ -285,11 +355,12 @@ class LLM:
                                  cumulative_logprob=r.cumulative_logprob, logprobs=r.logprobs,
                                  finish_reason=r.finish_reason, stop_reason=r.stop_reason)
                 for r in group]
-        return RequestOutput(request_id=first.request_id, prompt=first.prompt,
+        return RequestOutput(request_id=first.parent_request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids,
                              prompt_logprobs=first.prompt_logprobs,
                              outputs=outs, finished=all(r.is_finished for r in group),
-                             num_cached_tokens=max(first.num_cached_tokens, 0))
+                             num_cached_tokens=max(first.num_cached_tokens, 0),
+                             metrics=group_metrics(group))
 
 
 def _pick_runner(runner: str | None) -> str:

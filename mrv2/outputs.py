@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mrv2.metrics import RequestMetrics
+
 
 @dataclass
 class Logprob:
@@ -60,6 +62,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens found in the prefix cache when the request was
             first admitted (their KV was reused, not recomputed); for ``n > 1``, the
             first completion's (the later ones usually share its blocks too).
+        metrics: arrival, scheduling, first/last token and finish times
+            (``mrv2.metrics.RequestMetrics``).
     """
 
     request_id: str
@@ -69,3 +73,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -30,7 +30,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival: int, prompt: str | None = None, index: int = 0,
-                 user_seeded: bool | None = None):
+                 user_seeded: bool | None = None, parent_request_id: str | None = None,
+                 arrival_time: float | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -42,8 +43,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # The i-th of the n completions of one prompt.
+        # The i-th of the n completions of one prompt, and that prompt's (output) request id.
         self.index = index
+        self.parent_request_id = request_id if parent_request_id is None else parent_request_id
         # The user gave a seed (``None``: read it from ``sampling_params`` now); the V1
         # baseline keeps a generator only for these.
         self.user_seeded = sampling_params.seed is not None if user_seeded is None else user_seeded
@@ -59,6 +61,12 @@ class Request:
         self.prompt_logprobs: list | None = None
         self.cumulative_logprob: float | None = (
             0.0 if sampling_params.logprobs is not None else None)
+        # Wall-clock timestamps (mrv2.metrics): stamped by LLM, scheduler and engine.
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,10 @@ class SamplingParams:
         logit_bias: token id -> additive bias.
         allowed_token_ids: if set, only these tokens may be generated.
         skip_special_tokens: drop special tokens when detokenizing.
+        bad_words: words never to generate: the last token of a word is banned whenever
+            the generated tokens end with the word's other tokens (``mrv2/sample/bad_words.py``).
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last
+            ``max_model_len - 1``; ``None``: no truncation).
     """
 
     n: int = 1
@@ -59,8 +63,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine: the output-ending ids (stop_token_ids + EOS unless ignored).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: bad_words as token-id sequences (mrv2.sample.bad_words).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -118,6 +126,13 @@ class SamplingParams:
                 not self.allowed_token_ids
                 or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (
+                isinstance(self.bad_words, str)
+                or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not is_int(t) or (t < 1 and t != -1)):
+            bad("truncate_prompt_tokens", "must be None, -1 or an integer >= 1")
 
     @property
     def greedy(self) -> bool:

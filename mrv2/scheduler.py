@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from mrv2.config import SchedulerConfig
 from mrv2.kv_cache import KVCacheManager
+from mrv2.metrics import now
 from mrv2.request import Request, RequestStatus
 
 
@@ -115,6 +116,7 @@ class Scheduler:
         self.kv.free(req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        req.finished_time = now()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -176,6 +178,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now()
             self.running.append(req)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # NOTE: the first admission's hit is reported

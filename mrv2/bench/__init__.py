@@ -3,7 +3,7 @@
 ``python -m mrv2 bench throughput|latency`` runs every runner asked for (``v2``,
 ``v1``, ``hf``) in one process, one after another, on the same model and weights and
 the same prompts, and writes one JSON (hardware, versions, commit, config, every
-figure) to ``benchmarks/results/``. The protocol:
+figure) to ``--out`` or the current directory. The protocol:
 
 * **Prompts.** Random token ids, uniform in ``[0, vocab)``, from
   ``numpy.random.RandomState(seed)``; every request has ``temperature=0.6`` and
@@ -31,17 +31,24 @@ The figures are plotted from the JSON by ``plot_throughput``, ``plot_latency``,
 ``plot_roofline`` (pure matplotlib), e.g. in notebooks/10_full_runner_qwen3_and_benchmarks.
 """
 
-from mrv2.bench.plots import (
-                              load_results,
-                              plot_latency,
-                              plot_roofline,
-                              plot_step_split,
-                              plot_throughput,
-                              save_plots,
-)
-from mrv2.bench.roofline import copy_bandwidth, decode_roofline, kv_bytes_per_token, weight_bytes
-from mrv2.bench.suite import BenchConfig, run_latency, run_throughput
-from mrv2.bench.workloads import Workload, make_workload, random_workload
+# Lazy, so that `python -m mrv2 bench --help` (which imports mrv2.bench.cli) needs no torch.
+_LAZY = {
+    "load_results": "plots", "plot_latency": "plots", "plot_roofline": "plots",
+    "plot_step_split": "plots", "plot_throughput": "plots", "save_plots": "plots",
+    "copy_bandwidth": "roofline", "decode_roofline": "roofline",
+    "kv_bytes_per_token": "roofline", "weight_bytes": "roofline",
+    "BenchConfig": "suite", "run_latency": "suite", "run_throughput": "suite",
+    "Workload": "workloads", "make_workload": "workloads", "random_workload": "workloads",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"mrv2.bench.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'mrv2.bench' has no attribute {name!r}")
+
 
 __all__ = ["BenchConfig", "Workload", "copy_bandwidth", "decode_roofline", "kv_bytes_per_token",
            "load_results", "make_workload", "plot_latency", "plot_roofline", "plot_step_split",

@@ -83,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-batch", type=_int_list, default=None,
                    help="throughput: also time decode-dominated runs at these batch sizes "
                         "(e.g. 1,8,32,64,128,256) for the roofline plot")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/"
-                   "bench_<kind>_<workload>_<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default: "
+                   "./bench_<kind>_<workload>_<date>.json in the current directory)")
     p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="torch.profiler chrome trace of a few decode steps of the first "
@@ -120,7 +120,14 @@ def run(args: argparse.Namespace) -> int:
         0 when at least one runner succeeded, 1 when all failed, 2 for a bad
         configuration (bad option values, a missing model, lengths over the model's limit).
     """
-    from mrv2.bench.report import default_out_path, latency_table, throughput_table, write_json
+    from mrv2 import platform
+    from mrv2.bench.report import (
+        CPU_NOTE,
+        default_out_path,
+        latency_table,
+        throughput_table,
+        write_json,
+    )
     from mrv2.bench.suite import run_latency, run_throughput
 
     if args.kind in ("decode", "timeline"):  # step-level figures (bench/steps.py)
@@ -128,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
         run_steps(args.kind, args.model, args.batch_sizes or (1, 64, 256), args.out,
                   plot=args.plot, tiny=args.tiny)
+        if not platform.HAS_CUDA:
+            print(CPU_NOTE)
         return 0
 
     try:
@@ -142,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     path = write_json(results, out)
     print((throughput_table if cfg.kind == "throughput" else latency_table)(results))
     print(f"[bench] wrote {path}")
+    if not platform.HAS_CUDA:
+        print(CPU_NOTE)
     if args.plot:
         from mrv2.bench.plots import save_plots
 

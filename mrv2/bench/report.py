@@ -86,12 +86,18 @@ def environment() -> dict:
 
 
 def default_out_path(kind: str, workload: str | None, tiny: bool = False) -> pathlib.Path:
-    """``benchmarks/results/bench_<kind>[_<workload>][_tiny]_<YYYY-MM-DD>.json``."""
-    base = REPO_ROOT / "benchmarks" / "results"
-    if not (REPO_ROOT / "benchmarks").is_dir():  # an installed package: write beside the cwd
-        base = pathlib.Path.cwd() / "benchmarks" / "results"
+    """``./bench_<kind>[_<workload>][_tiny]_<YYYY-MM-DD>.json`` in the current directory.
+
+    NOTE: never inside the checkout: a run from elsewhere must not write into the package.
+    """
     parts = ["bench", kind] + ([workload] if workload else []) + (["tiny"] if tiny else [])
-    return base / f"{'_'.join(parts)}_{datetime.date.today().isoformat()}.json"
+    return pathlib.Path.cwd() / f"{'_'.join(parts)}_{datetime.date.today().isoformat()}.json"
+
+
+#: Printed after a benchmark run without a GPU.
+CPU_NOTE = ("[bench] note: no GPU: every kernel ran in Triton's CPU interpreter and nothing was "
+            "overlapped, so these times and the V2/V1 ratio say nothing about GPU performance "
+            "(they check that the benchmark runs)")
 
 
 def write_json(results: dict, path: str | os.PathLike) -> pathlib.Path:

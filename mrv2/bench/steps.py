@@ -175,7 +175,7 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
     import json
     import pathlib
 
-    from mrv2.bench.report import REPO_ROOT, environment, write_json
+    from mrv2.bench.report import environment, write_json
 
     kw = _default_llm_kwargs(model, 512 if tiny else 2048)
     if not torch.cuda.is_available():
@@ -201,7 +201,7 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
         raise ValueError(f"kind must be 'decode' or 'timeline', got {kind!r}")
     result["meta"] = {**environment(), "model": kw["model"] or "embedded",
                       "load_format": kw.get("load_format", "auto")}
-    path = write_json(result, out or REPO_ROOT / "benchmarks" / "results" / f"{kind}_steps.json")
+    path = write_json(result, out or pathlib.Path.cwd() / f"{kind}_steps.json")
     print(f"[bench] wrote {path}")
     if plot:
         import matplotlib

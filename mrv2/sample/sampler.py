@@ -81,17 +81,17 @@ class Sampler:
         """
         states = self.states
         max_logprobs = states.max_logprobs(rows)
-        biased, penalized = states.needs_rules(rows)
+        biased, banned, penalized = states.needs_rules(rows)
         meta = SamplingMetadata(all_greedy=states.all_greedy(rows),
                                 needs_top_k_top_p=states.needs_top_k_top_p(rows))
         # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
         # reading bf16 and converting in registers) skips a [N, V] fp32 copy.
-        if (max_logprobs >= 0 or biased or penalized or states.logits_processors
+        if (max_logprobs >= 0 or biased or banned or penalized or states.logits_processors
                 or meta.needs_top_k_top_p):
             logits = logits.float()                                            # [N, V]
         # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
         raw = logits.clone() if max_logprobs >= 0 else logits
-        logits = states.apply_rules(logits, idx_mapping, state, biased, penalized)
+        logits = states.apply_rules(logits, idx_mapping, state, biased, banned, penalized)
         sampled = self.sample_tokens(logits, idx_mapping, state, positions, meta)  # [N]
         logprobs = None
         if max_logprobs >= 0:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mrv2.kernels.input_prep import post_update
+from mrv2.sample.bad_words import BadWordsState
 from mrv2.sample.logit_bias import LogitBiasState
 from mrv2.sample.logits_processors import LogitsProcessor, apply_logits_processors
 from mrv2.sample.penalties import PenaltyState, uses_penalties
@@ -76,6 +77,7 @@ class SamplingStates:
 
     Attributes:
         logit_bias: the ``LogitBiasState`` (bias / allowed ids / min_tokens).
+        bad_words: the ``BadWordsState`` (``SamplingParams.bad_words``).
         penalties: the ``PenaltyState``, or ``None`` until a request uses penalties.
         logits_processors: the processors and registered rules, in order.
     """
@@ -85,6 +87,7 @@ class SamplingStates:
         self.max_num_reqs, self.vocab_size = max_num_reqs, vocab_size
         self.device = torch.device(device)
         self.logit_bias = LogitBiasState(max_num_reqs, vocab_size, self.device)
+        self.bad_words = BadWordsState(max_num_reqs, self.device)
         # NOTE: [rows, vocab] counts are large: made at the first request with penalties.
         self.penalties: PenaltyState | None = None
         self.logits_processors: list[LogitsProcessor] = [
@@ -131,6 +134,7 @@ class SamplingStates:
         """
         prompt = prefill_token_ids[:prompt_len]
         self.logit_bias.add_request(row, sp)
+        self.bad_words.add_request(row, sp)
         for proc in self.logits_processors:
             proc.add_request(row, prompt, sp)
         self.row_penalized[row] = uses_penalties(sp)
@@ -146,6 +150,7 @@ class SamplingStates:
     def remove_request(self, row: int) -> None:
         """Forget ``row`` (finished or preempted), and any staged write for it."""
         self.logit_bias.remove_request(row)
+        self.bad_words.remove_request(row)
         if self.penalties is not None:
             self.penalties.remove_request(row)
         for proc in self.logits_processors:
@@ -154,6 +159,7 @@ class SamplingStates:
     def apply_staged_writes(self) -> None:
         """Write every staged row to the device (one launch per part, none when idle)."""
         self.logit_bias.apply_staged_writes()
+        self.bad_words.apply_staged_writes()
         if self.penalties is not None:
             self.penalties.apply_staged_writes()
         for proc in self.logits_processors:
@@ -171,26 +177,30 @@ class SamplingStates:
     def needs_top_k_top_p(self, rows) -> bool:
         return bool(self.row_top_kp[rows].any())
 
-    def needs_rules(self, rows) -> tuple[bool, bool]:
-        """``(biased, penalized)``: whether some of ``rows`` has a logit rule / a penalty."""
-        return self.logit_bias.any_active(rows), bool(self.row_penalized[rows].any())
+    def needs_rules(self, rows) -> tuple[bool, bool, bool]:
+        """``(biased, banned, penalized)``: whether some of ``rows`` has a logit rule, bad
+        words, a penalty (CPU flags only)."""
+        return (self.logit_bias.any_active(rows), self.bad_words.any_active(rows),
+                bool(self.row_penalized[rows].any()))
 
     def apply_rules(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state,
-                    biased: bool, penalized: bool) -> torch.Tensor:
-        """Logit rules, in place and in order: bias / allowed ids / min_tokens, penalties,
-        processors.
+                    biased: bool, banned: bool, penalized: bool) -> torch.Tensor:
+        """Logit rules, in place and in order: bias / allowed ids / min_tokens, bad words,
+        penalties, processors.
 
         Args:
             logits: ``[N, V]`` float32, one row per logits row.
             idx_mapping: ``[N]`` logits row -> state row.
             state: the ``RequestStateTable``.
-            biased, penalized: from ``needs_rules`` (skip a launch nobody needs).
+            biased, banned, penalized: from ``needs_rules`` (skip a launch nobody needs).
 
         Returns:
             ``[N, V]`` logits (``logits`` itself unless a processor made a new tensor).
         """
         if biased:
             self.logit_bias.apply(logits, idx_mapping, state)
+        if banned:
+            self.bad_words.apply(logits, idx_mapping, state)
         if penalized:
             self.penalties.apply(logits, idx_mapping, state)
         return apply_logits_processors(self.logits_processors, logits, idx_mapping, state)

@@ -142,6 +142,7 @@ class V1ModelRunner(RunnerInterface):
             "logit_bias": bool(sp.logit_bias),
             "allowed_token_ids": sp.allowed_token_ids is not None,
             "prompt_logprobs": sp.prompt_logprobs is not None,
+            "bad_words": bool(sp.bad_words),
         }
         for name, used in unsupported.items():
             if used:
