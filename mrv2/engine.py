@@ -24,6 +24,7 @@ from mrv2.request import Request
 from mrv2.sample.logprobs import make_logprob_dict
 from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
 from mrv2.scheduler import Scheduler, SchedulerOutput
+from mrv2.spec_decode.scheduling import correct_bounds_now, observe_spec_output
 
 
 class Engine:
@@ -47,6 +48,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.num_steps = 0
         self._pending: tuple[SchedulerOutput, object] | None = None  # launched, unprocessed
+        # Acceptance counts of speculative decoding (the runner's stats object, or None).
+        self.spec_stats = getattr(getattr(runner, "spec", None), "stats", None)
         self._timeline = None
 
     @property
@@ -84,6 +87,8 @@ class Engine:
         if not sched.is_empty or sched.finished_req_ids:
             launched = (sched, self.runner.execute_model(sched))
             self.num_steps += not sched.is_empty
+            # sync_accepted_counts (benchmark only): the runner synced; use exact counts now.
+            correct_bounds_now(self.scheduler, sched, launched[1])
         if not self.async_scheduling:
             finished = self._process(*launched) if launched is not None else []
         else:
@@ -110,22 +115,33 @@ class Engine:
             if req is not None:
                 req.prompt_logprobs = prompt_logprobs_to_output(
                     *tensors, req.sampling_params.prompt_logprobs, detok)
-        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+        spec = out.num_draft_tokens is not None  # speculative decoding: a run per request
+        for i, (req_id, run) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
             req = self.scheduler.requests.get(req_id)
             if req is None:
                 continue  # it finished while this step was in flight: drop the extra sample
-            req.num_output_placeholders -= 1
-            req.output_token_ids.append(token)
-            if req.logprobs is not None:
-                ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k
-                k = req.sampling_params.logprobs
-                req.logprobs.append(make_logprob_dict(ids, lps, rank, len(ids) - 1 if k == -1 else k,
-                                                      detok))
-                req.cumulative_logprob += lps[0]
-            if self._check_stop(req, token):
-                finished.append(req)
+            tokens = run if spec else [run]
+            if spec:  # the rejected drafts: correct the scheduler's bounds, count acceptance
+                observe_spec_output(req, sched.num_spec_tokens.get(req_id, 0), len(tokens),
+                                    out.num_draft_tokens[i], self.spec_stats,
+                                    corrected=out.bounds_corrected)
+            req.num_output_placeholders -= len(tokens)
+            # Tokens in order, stop conditions after each: a finish inside an accepted run
+            # returns nothing after it.
+            for j, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                if req.logprobs is not None:
+                    # sampled id first, then top-k
+                    ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
+                    k = req.sampling_params.logprobs
+                    req.logprobs.append(make_logprob_dict(ids, lps, rank,
+                                                          len(ids) - 1 if k == -1 else k, detok))
+                    req.cumulative_logprob += lps[0]
+                if self._check_stop(req, token):
+                    finished.append(req)
+                    break
         return finished
 
     def _detok_token(self, token_id: int) -> str:

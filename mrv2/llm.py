@@ -64,6 +64,9 @@ class LLM:
         logits_processors: batch-level GPU logits processors
             (``mrv2.sample.logits_processors``): instances, or factories called as
             ``factory(max_num_seqs, device)``.
+        speculative_config: vLLM's dict, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+            (V2 runner only; ``mrv2/spec_decode/``). ``None``: no speculative decoding.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -74,7 +77,8 @@ class LLM:
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
                  runner: str | None = None, logits_processors=(),
                  async_scheduling: bool | None = None, model_state_cls=None,
-                 cudagraph_mode: str | None = None, **kwargs):
+                 cudagraph_mode: str | None = None, speculative_config: dict | None = None,
+                 **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -85,6 +89,7 @@ class LLM:
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
+        spec_config = _spec_config(speculative_config, runner, logits_processors)
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
         if cudagraph_mode is None:
@@ -130,6 +135,8 @@ class LLM:
 
         extra = {} if model_state_cls is None else {"model_state_cls": model_state_cls}
         extra["prefill_graphs"] = cudagraph_mode == "FULL"
+        if spec_config is not None:
+            extra["speculative_config"] = spec_config
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,
@@ -137,7 +144,9 @@ class LLM:
         if hasattr(self.runner, "capture_cuda_graphs"):
             self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
         self.kv_manager = KVCacheManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_manager,
+            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
@@ -295,7 +304,37 @@ class LLM:
         return RequestOutput(request_id=first.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids,
                              prompt_logprobs=first.prompt_logprobs,
-                             outputs=outs, finished=all(r.is_finished for r in group))
+                             outputs=outs, finished=all(r.is_finished for r in group),
+                             metrics=_spec_metrics(group, self.runner))
+
+
+def _spec_metrics(group: list[Request], runner) -> dict | None:
+    """``RequestOutput.metrics`` with speculative decoding: the group's acceptance counts."""
+    spec = getattr(runner, "spec", None)
+    if spec is None:
+        return None
+    from mrv2.spec_decode.metrics import SpecDecodeStats
+
+    total = SpecDecodeStats(spec.k)
+    for r in group:
+        s = getattr(r, "spec_stats", None)
+        if s is not None:
+            total.merge(s)
+    return {"spec_decode": total.as_dict()}
+
+
+def _spec_config(speculative_config, runner: str, logits_processors):
+    """Check ``LLM(speculative_config=...)`` before any work; ``None`` when off."""
+    if speculative_config is None:
+        return None
+    from mrv2.spec_decode.interim import SpecConfig
+
+    if runner != "v2":
+        raise ValueError("speculative_config needs the V2 runner (runner='v2')")
+    if logits_processors:
+        # NOTE: a batch-level processor sees one row per request, not per draft position.
+        raise ValueError("speculative_config cannot be combined with logits_processors")
+    return SpecConfig.from_dict(speculative_config)
 
 
 def _pick_runner(runner: str | None) -> str:

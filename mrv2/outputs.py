@@ -57,6 +57,8 @@ class RequestOutput:
         prompt_logprobs: per prompt token, its log-probabilities, when asked for.
         outputs: one ``CompletionOutput`` per completion (``SamplingParams.n``).
         finished: whether every completion has finished.
+        metrics: extra figures; with speculative decoding ``{"spec_decode": {...}}``, the
+            acceptance counts over the request's completions (``SpecDecodeStats.as_dict``).
     """
 
     request_id: str
@@ -65,3 +67,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: dict | None = None

@@ -44,6 +44,9 @@ class Request:
         self.user_seeded = sampling_params.seed is not None
         # Tokens being sampled by steps in flight, not yet seen by the engine.
         self.num_output_placeholders = 0
+        # Of those, the draft slots of speculating steps in flight: they may be rejected
+        # (mrv2/spec_decode/scheduling.py); placeholders minus these is a lower bound.
+        self.num_spec_placeholders = 0
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None

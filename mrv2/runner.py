@@ -42,6 +42,7 @@ from mrv2.sample.logits_processors import LogitsProcessor, apply_logits_processo
 from mrv2.sample.penalties import PenaltyState, uses_penalties
 from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
+from mrv2.spec_decode.verify_step import SpecDecodeStep
 from mrv2.state import RequestStateTable
 
 
@@ -62,12 +63,14 @@ class ModelRunner:
             ``factory(max_num_reqs, device)``, applied to every step's logits in order.
         model_state_cls: the ``ModelState`` class to use (default: ``ModelState``),
             built as ``model_state_cls(model, max_model_len)``.
+        speculative_config: a checked speculative config (``mrv2/spec_decode/``), or ``None``.
     """
 
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, enforce_eager: bool = False, logits_processors=(),
-                 model_state_cls: type[ModelState] = ModelState, prefill_graphs: bool = True):
+                 model_state_cls: type[ModelState] = ModelState, prefill_graphs: bool = True,
+                 speculative_config=None):
         self.model_state = model_state_cls(model, scheduler_config.max_model_len)
         self.device = torch.device(device)
         self.max_model_len = scheduler_config.max_model_len
@@ -75,7 +78,12 @@ class ModelRunner:
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.block_size = cache_config.block_size
         self.vocab_size = model_dims(hf_config).vocab_size
-        self.state = RequestStateTable(self.max_num_reqs, scheduler_config.max_model_len, device)
+        # Speculative decoding: K draft slots per state row, and the per-step logic.
+        self.spec = (None if speculative_config is None
+                     else SpecDecodeStep(speculative_config, self.device))
+        self.state = RequestStateTable(
+            self.max_num_reqs, scheduler_config.max_model_len, device,
+            num_speculative_tokens=0 if self.spec is None else self.spec.k)
         self.block_tables = BlockTables(
             self.max_num_reqs, cdiv(scheduler_config.max_model_len, self.block_size),
             self.block_size, self.max_num_tokens, device)
@@ -195,19 +203,29 @@ class ModelRunner:
         with self._phase("forward"):
             hidden = self.model_state.run(batch, graph_size)                  # [T_pad, hidden]
         with self._phase("sample"):
-            out = self._sample(batch, rows, num_scheduled, hidden)
+            out = self._sample(batch, rows, num_scheduled, hidden, sched.num_spec_tokens)
         if self.timeline is not None:
             self.timeline.gpu_mark("end")
         return out
 
     def _sample(self, batch: InputBatch, rows: list[int], num_scheduled: list[int],
-                hidden: torch.Tensor) -> AsyncOutput:
-        """Logits of each request's last token -> logit rules -> sampler -> post-update."""
+                hidden: torch.Tensor, num_spec_tokens: dict | None = None) -> AsyncOutput:
+        """Logits of each request's last token -> logit rules -> sampler -> post-update.
+
+        With speculative decoding every query token of a speculating request gives a
+        logits row (``N >= B`` rows; ``mrv2/spec_decode/verify_step.py``)."""
         num_reqs = batch.num_reqs
-        logits = self.model_state.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
+        logits_indices = batch.logits_indices[:num_reqs]
+        idx_mapping = batch.idx_mapping[:num_reqs]
+        positions = batch.seq_lens[:num_reqs]  # the sampled token sits at position seq_len
+        spec_rows = None
+        if self.spec is not None:
+            spec_rows = self.spec.expand(batch, num_scheduled, num_spec_tokens or {})
+            logits_indices, idx_mapping, positions = (
+                spec_rows.logits_indices, spec_rows.idx_mapping, spec_rows.positions)
+        logits = self.model_state.compute_logits(hidden[logits_indices])      # [N, V]
         meta = SamplingMetadata(all_greedy=bool(self._row_greedy[rows].all()),
                                 needs_top_k_top_p=bool(self._row_top_kp[rows].any()))
-        idx_mapping = batch.idx_mapping[:num_reqs]
         max_logprobs = int(self._row_logprobs[rows].max())
         biased = self.logit_bias.any_active(rows)
         penalized = bool(self._row_penalized[rows].any())
@@ -224,12 +242,13 @@ class ModelRunner:
         if penalized:
             self.penalties.apply(logits, idx_mapping, self.state)
         logits = apply_logits_processors(self.logits_processors, logits, idx_mapping, self.state)
-        # The sampled token sits at position seq_len (just after the step's last token).
-        sampled = self.sampler(logits, idx_mapping, self.state,
-                               batch.seq_lens[:num_reqs], meta)  # [B]
+        sampled = self.sampler(logits, idx_mapping, self.state, positions, meta)  # [N]
         logprobs = None
         if max_logprobs >= 0:
-            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([B,k+1], [B,k+1], [B])
+            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([N,k+1], [N,k+1], [N])
+        if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
+            return self.spec.finish(self, batch, spec_rows, sampled, logprobs,
+                                    self._prompt_logprobs(batch.req_ids, num_scheduled, hidden))
         if self.penalties is not None:  # NOTE: before post_update, which moves total_len
             self.penalties.update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled,
                                   num_reqs, self.state)

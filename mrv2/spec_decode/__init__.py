@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, verification and the draft slots of the state table."""
