@@ -12,9 +12,6 @@ import pytest
 from mrv2 import LLM, SamplingParams
 from mrv2.models.loader import DEFAULT_MODEL_DIR
 
-_VERSE = "O Romeo, Romeo, wherefore art thou Romeo? "
-
-
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
@@ -70,8 +67,7 @@ def _assert_clean(llm):
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
-@pytest.mark.parametrize("k,async_scheduling", [(1, False), (3, True), (5, False), (5, True),
-                                                 (3, False)])
+@pytest.mark.parametrize("k,async_scheduling", [(1, False), (3, True), (5, False), (5, True)])
 def test_greedy_equals_no_speculation_tight(baseline, k, async_scheduling):
     inputs, want = baseline
     llm = _tight(_spec(k), async_scheduling)
@@ -98,11 +94,12 @@ def test_stories260k_greedy_equals_no_speculation(shared_data):
     kw = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 96,
           "max_num_seqs": 3, "max_num_batched_tokens": 24, "num_gpu_blocks_override": 40,
           "block_size": 4}
-    rng = random.Random(2)
-    loop = [1] + [rng.randrange(3, 512) for _ in range(6)] * 4
-    prompts = [{"prompt_token_ids": p} for p in
-               (loop, [1, 5, 9], [1] + [rng.randrange(3, 512) for _ in range(30)], loop[:12])]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # stories260K's greedy output after [1]; given it once and its start again, the model
+    # continues it: the n-gram drafts are real.
+    story = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338,
+             401, 396, 267, 337, 410, 408, 419, 292]
+    prompts = [{"prompt_token_ids": p} for p in (story + story[:8], [1, 5, 9], story[:20])]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = LLM(path, **kw).generate(prompts, sp, use_tqdm=False)
     llm = LLM(path, speculative_config=_spec(3), async_scheduling=True, **kw)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(want)
@@ -117,9 +114,9 @@ def roomy():
 
 def test_seeded_sampling_identical_alone_and_in_batch(roomy):
     plain, spec = roomy
-    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True)
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True)
           for s in (1, 2, 3)]
-    prompts = [_VERSE * 2, "JULIET:\n" + _VERSE, _VERSE]
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, KING, LOOP * 2)]
     want = _ids(plain.generate(prompts, sp, use_tqdm=False))
     assert _ids(spec.generate(prompts, sp, use_tqdm=False)) == want
     assert _ids(spec.generate(prompts[:1], sp[:1], use_tqdm=False)) == want[:1]
@@ -128,13 +125,13 @@ def test_seeded_sampling_identical_alone_and_in_batch(roomy):
 
 def test_logprobs_identical(roomy):
     plain, spec = roomy
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    prompts = [_VERSE * 2, "JULIET:"]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": LOOP}, "JULIET:"]
     a, b = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp,
                                                                        use_tqdm=False)
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert len(y.outputs[0].logprobs) == 10
+        assert len(y.outputs[0].logprobs) == 8
         for px, py in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
             assert list(px) == list(py)
             for t in px:
@@ -147,17 +144,17 @@ def test_logprobs_identical(roomy):
 def test_finishes_inside_accepted_runs(roomy):
     """Stop ids and max_tokens that fall inside a run: exactly the non-speculative tokens."""
     plain, spec = roomy
-    prompts = [_VERSE * 2, "JULIET:\n" + _VERSE, _VERSE * 3]
-    free = _ids(plain.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, KING, LOOP * 2)]
+    free = _ids(plain.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
                                                        ignore_eos=True), use_tqdm=False))
     # Stop at each request's 9th token (its first occurrence ends it).
-    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ids[8]])
+    params = [SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[ids[8]])
               for ids in free]
     a, b = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params,
                                                                            use_tqdm=False)
     assert _ids(a) == _ids(b)
     assert all(o.outputs[0].finish_reason == "stop" for o in b)
-    for n in (1, 2, 5, 7, 13):
+    for n in (1, 3, 7):
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         assert _ids(spec.generate(prompts, sp, use_tqdm=False)) == [ids[:n] for ids in free]
     _assert_clean(spec)
@@ -165,10 +162,10 @@ def test_finishes_inside_accepted_runs(roomy):
 
 def test_penalties_and_min_tokens_decode_plainly_with_the_same_tokens(roomy):
     plain, spec = roomy
-    prompts = [_VERSE * 2, "ROMEO:"]
-    params = [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3,
+    prompts = [{"prompt_token_ids": LOOP}, "ROMEO:"]
+    params = [SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
                              ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=4,
                              stop_token_ids=[199, 12])]
     assert _ids(spec.generate(prompts, params, use_tqdm=False)) == \
         _ids(plain.generate(prompts, params, use_tqdm=False))
@@ -176,8 +173,8 @@ def test_penalties_and_min_tokens_decode_plainly_with_the_same_tokens(roomy):
 
 def test_sync_accepted_counts_same_tokens():
     kw = {"max_model_len": 96, "max_num_seqs": 4, "dtype": "float32", "async_scheduling": True}
-    prompts = [_VERSE * 2, "JULIET:"]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": LOOP}, "JULIET:"]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     a = LLM(speculative_config=_spec(3), **kw).generate(prompts, sp, use_tqdm=False)
     synced = LLM(speculative_config=_spec(3, sync_accepted_counts=True), **kw)
     assert _ids(synced.generate(prompts, sp, use_tqdm=False)) == _ids(a)
