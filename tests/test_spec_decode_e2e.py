@@ -12,6 +12,7 @@ import pytest
 from mrv2 import LLM, SamplingParams
 from mrv2.models.loader import DEFAULT_MODEL_DIR
 
+
 def _ids(outs):
     return [o.outputs[0].token_ids for o in outs]
 
