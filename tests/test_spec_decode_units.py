@@ -200,3 +200,88 @@ def test_stats_count_per_position():
     t.merge(s)
     assert t.as_dict() == s.as_dict()
     assert np.isclose(SpecDecodeStats(2).mean_accepted_length, 1.0)
+
+
+# -- the engine applies runs token by token (a stub runner returns chosen runs) ----------
+
+class _StubRunner:
+    """Returns the given run for the one request each step (K_b = the scheduled drafts)."""
+
+    def __init__(self, runs, k):
+        self.runs = iter(runs)
+        self.spec = type("Spec", (), {"stats": SpecDecodeStats(k), "k": k})()
+        self.scheduled = []
+
+    def execute_model(self, sched):
+        from mrv2.async_output import StepOutput
+
+        req_ids = list(sched.num_scheduled_tokens)
+        self.scheduled.append((dict(sched.num_scheduled_tokens), dict(sched.num_spec_tokens)))
+        run = next(self.runs)
+        if callable(run):
+            run = run(sched.num_spec_tokens.get(req_ids[0], 0)) if req_ids else []
+        out = StepOutput(req_ids, [run] * len(req_ids), None, {}, [len(run) - 1] * len(req_ids))
+        return type("Out", (), {"get_output": lambda self: out, "synced_num_sampled": None,
+                                "req_ids": req_ids})()
+
+
+def _engine(runs, k=3, async_scheduling=False, **sp):
+    from mrv2.config import SchedulerConfig
+    from mrv2.engine import Engine
+    from mrv2.kv_cache import KVCacheManager
+    from mrv2.scheduler import Scheduler
+
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16,
+                                      max_model_len=32), kv, num_speculative_tokens=k)
+    runner = _StubRunner(runs, k)
+    eng = Engine(sched, runner, max_model_len=32, async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, **sp)
+    params.all_stop_token_ids = set(params.stop_token_ids)
+    req = Request("r", [1, 2, 3], params, arrival=0)
+    eng.add_request(req)
+    return eng, req, runner, kv
+
+
+def test_engine_stops_inside_an_accepted_run():
+    eng, req, runner, kv = _engine([[5], [6, 42, 7, 8]], max_tokens=10, stop_token_ids=[42])
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_token_ids == [5, 6, 42] and req.finish_reason == "stop"
+    assert runner.scheduled[1] == ({"r": 4}, {"r": 3})     # a decode of 1 + K
+    assert kv.num_free_blocks == kv.num_blocks
+    assert runner.spec.stats.num_accepted_tokens == 3      # counted before the stop
+
+
+def test_engine_corrects_the_bound_and_stops_at_max_tokens():
+    eng, req, runner, _ = _engine([[5], [6, 7], [8, 9, 10, 11]], max_tokens=5,
+                                   stop_token_ids=[])
+    eng.step()
+    eng.step()
+    # 3 prompt + [5, 6, 7]: the rejected two drafts taken back from the upper bound.
+    assert req.num_computed_tokens == 5 and req.num_output_placeholders == 0
+    assert req.num_spec_placeholders == 0
+    eng.step()
+    assert runner.scheduled[2] == ({"r": 2}, {"r": 1})     # K clamped: 2 tokens still needed
+    assert req.output_token_ids == [5, 6, 7, 8, 9] and req.finish_reason == "length"
+
+
+def test_async_engine_keeps_bounds_safe_with_a_step_in_flight():
+    """Async: each step is planned before the previous one's run is known."""
+    import itertools
+
+    counter = itertools.count(100)
+    accept = itertools.cycle([3, 0, 1, 2])
+
+    def run(k):  # a + 1 consecutive tokens, a <= K_b
+        return [next(counter) for _ in range(min(next(accept), k) + 1)]
+
+    eng, req, runner, kv = _engine([run] * 20, async_scheduling=True, max_tokens=9,
+                                   stop_token_ids=[])
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_token_ids == list(range(100, 109))
+    assert any(k for _, k in runner.scheduled)
+    # Planned on the upper bound: never a position past max_model_len, never past the pool.
+    assert all(sum(n.values()) <= 4 for n, _ in runner.scheduled)
+    assert kv.num_free_blocks == kv.num_blocks
