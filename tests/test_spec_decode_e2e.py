@@ -195,3 +195,18 @@ def test_sync_accepted_counts_same_tokens():
 def test_bad_speculative_config_fails_at_construction(kw, exc, match):
     with pytest.raises(exc, match=match):
         LLM(max_model_len=32, max_num_seqs=2, **kw)
+
+
+def test_stop_strings_inside_accepted_runs(roomy):
+    plain, spec = roomy
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, KING)]
+    free = _ids(plain.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                       ignore_eos=True), use_tqdm=False))
+    tok = plain.tokenizer
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             stop=[tok.decode(ids[6:8])]) for ids in free]
+    a, b = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params,
+                                                                           use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in a] == \
+        [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in b]
+    assert all(o.outputs[0].finish_reason == "stop" for o in b)
