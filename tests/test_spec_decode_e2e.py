@@ -116,8 +116,10 @@ def roomy():
 def test_seeded_sampling_identical_alone_and_in_batch(roomy):
     plain, spec = roomy
     sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True)
-          for s in (1, 2, 3)]
-    prompts = [{"prompt_token_ids": p} for p in (LOOP, KING, LOOP * 2)]
+          for s in (6, 8, 2)]
+    # NOTE: the tiny model's T = 0.8 samples leave its loop quickly; these seeds stay in it
+    # for a few tokens, so some drafts are accepted.
+    prompts = [{"prompt_token_ids": p} for p in (LOOP * 3, LOOP * 3, KING)]
     want = _ids(plain.generate(prompts, sp, use_tqdm=False))
     assert _ids(spec.generate(prompts, sp, use_tqdm=False)) == want
     assert _ids(spec.generate(prompts[:1], sp[:1], use_tqdm=False)) == want[:1]
