@@ -79,8 +79,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.vocab_size = model_dims(hf_config).vocab_size
         # Speculative decoding: K draft slots per state row, and the per-step logic.
-        self.spec = (None if speculative_config is None
-                     else SpecDecodeStep(speculative_config, self.device))
+        self.spec = (None if speculative_config is None else SpecDecodeStep(
+            speculative_config, self.device, vocab_size=self.vocab_size, num_blocks=num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len, dtype=dtype))
         self.state = RequestStateTable(
             self.max_num_reqs, scheduler_config.max_model_len, device,
             num_speculative_tokens=0 if self.spec is None else self.spec.k)
@@ -248,7 +249,8 @@ class ModelRunner:
             logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([N,k+1], [N,k+1], [N])
         if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
             return self.spec.finish(self, batch, spec_rows, sampled, logprobs,
-                                    self._prompt_logprobs(batch.req_ids, num_scheduled, hidden))
+                                    self._prompt_logprobs(batch.req_ids, num_scheduled, hidden),
+                                    meta)
         if self.penalties is not None:  # NOTE: before post_update, which moves total_len
             self.penalties.update(batch.idx_mapping, self.buffers.num_scheduled_tokens, sampled,
                                   num_reqs, self.state)

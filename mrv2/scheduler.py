@@ -81,12 +81,15 @@ class Scheduler:
         config: request cap, token budget and length limit.
         kv_manager: the KV block pool.
         num_speculative_tokens: K, draft slots for a running decode (0: no speculation).
+        num_lookahead_tokens: KV slots allocated past a running request's step, where a
+            draft model writes its chained steps (K for ``draft_model``, else 0).
     """
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0):
         self.config = config
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -152,10 +155,12 @@ class Scheduler:
                                             self.config.max_model_len)
                         if self.num_speculative_tokens else 0)
             num_new += num_spec
-            while (new := self.kv.allocate(req.request_id,
-                                           req.num_computed_tokens + num_new)) is None:
-                if num_spec:  # short of blocks: decode plainly before preempting anyone
-                    num_new, num_spec = num_new - num_spec, 0
+            lookahead = self.num_lookahead_tokens
+            while (new := self.kv.allocate(req.request_id, min(
+                    req.num_computed_tokens + num_new + lookahead,
+                    self.config.max_model_len))) is None:
+                if lookahead or num_spec:  # short of blocks: no drafts before preempting
+                    num_new, num_spec, lookahead = num_new - num_spec, 0, 0
                     continue
                 victim = self.running[-1]
                 self._preempt(victim, out)

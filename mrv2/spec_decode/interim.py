@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-_METHODS = ("ngram",)
+_METHODS = ("ngram", "draft_model")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "sync_accepted_counts", "verification")
+         "sync_accepted_counts", "verification", "model")
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,12 +27,13 @@ class SpecConfig:
     """vLLM's ``speculative_config`` dict, checked (interim; replaced by ``SpeculativeConfig``).
 
     Args:
-        method: ``"ngram"`` (prompt lookup); the draft-model proposer is not built yet.
+        method: ``"ngram"`` (prompt lookup) or ``"draft_model"`` (``model``: a folder).
         num_speculative_tokens: K >= 1, drafts per speculating step.
         prompt_lookup_max, prompt_lookup_min: the n-gram sizes tried, longest first.
         sync_accepted_counts: copy the accepted counts to the CPU every step and let the
             scheduler use them (a V1-style sync, for the benchmark only).
         verification: ``"exact"`` (the only mode here).
+        model: the draft model's folder (``method="draft_model"`` only).
     """
 
     method: str = "ngram"
@@ -41,6 +42,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     sync_accepted_counts: bool = False
     verification: str = "exact"
+    model: str | None = None
 
     def __post_init__(self):
         if self.method not in _METHODS:
@@ -57,6 +59,15 @@ class SpecConfig:
         if not isinstance(self.sync_accepted_counts, bool):
             raise TypeError("speculative_config['sync_accepted_counts'] must be a bool, "
                              f"got {self.sync_accepted_counts!r}")
+        if self.method == "draft_model":
+            import pathlib
+
+            if not isinstance(self.model, str) or not (pathlib.Path(self.model)
+                                                       / "config.json").is_file():
+                raise ValueError("speculative_config['model'] must be a model folder with a "
+                                 f"config.json for method 'draft_model', got {self.model!r}")
+        elif self.model is not None:
+            raise ValueError("speculative_config['model'] is only for method 'draft_model'")
         if self.verification != "exact":
             raise ValueError("speculative_config['verification'] must be 'exact' "
                              f"(probabilistic is not wired in yet), got {self.verification!r}")

@@ -85,13 +85,23 @@ class SpecDecodeStep:
     Args:
         config: the speculative config (``num_speculative_tokens``, n-gram sizes, sync).
         device: where the state table lives.
+        draft_args: for ``method="draft_model"``: the target's ``vocab_size``,
+            ``num_blocks``, ``block_size``, ``max_model_len``, ``dtype``.
     """
 
-    def __init__(self, config: SpecConfig, device: torch.device):
+    def __init__(self, config: SpecConfig, device: torch.device, **draft_args):
         self.config = config
         self.k = config.num_speculative_tokens
         self.device = torch.device(device)
         self.stats = SpecDecodeStats(self.k)
+        self.draft = None
+        if config.method == "draft_model":
+            from mrv2.spec_decode.draft_model import DraftModelProposer
+
+            self.draft = DraftModelProposer(
+                config.model, draft_args["vocab_size"], draft_args["num_blocks"],
+                draft_args["block_size"], draft_args["max_model_len"], draft_args["dtype"],
+                self.device)
 
     def expand(self, batch, num_scheduled: list[int], num_spec_tokens: dict[str, int]
                ) -> SpecRows:
@@ -119,7 +129,7 @@ class SpecDecodeStep:
             gather=gather, num_spec_tokens=num_spec)
 
     def finish(self, runner, batch, rows: SpecRows, sampled: torch.Tensor, logprobs,
-               prompt_logprobs: dict) -> AsyncOutput:
+               prompt_logprobs: dict, meta=None) -> AsyncOutput:
         """Verify, append the accepted runs, propose the next drafts; the step's output.
 
         Args:
@@ -129,6 +139,7 @@ class SpecDecodeStep:
             sampled: ``[N]`` the target's sample per logits row.
             logprobs: ``(ids [N, k+1], logprobs [N, k+1], ranks [N])`` or ``None``.
             prompt_logprobs: as for ``AsyncOutput``.
+            meta: the batch's ``SamplingMetadata`` (the draft model samples with it).
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping                                     # [B_pad]
@@ -145,8 +156,12 @@ class SpecDecodeStep:
                          rows.num_spec_tokens, output_tokens, num_sampled, num_reqs, state)
         # The next drafts, read from the updated rows, into the draft slots.
         cfg = self.config
-        next_drafts = propose_ngram(state.token_ids, state.total_len, idx_mapping, num_reqs,
-                                    self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.draft is not None:
+            next_drafts = self.draft.propose(batch, runner, self.k, meta)
+        else:
+            next_drafts = propose_ngram(state.token_ids, state.total_len, idx_mapping,
+                                        num_reqs, self.k, cfg.prompt_lookup_min,
+                                        cfg.prompt_lookup_max)
         write_draft_slots(next_drafts, idx_mapping, num_reqs, state)
         if logprobs is not None:
             ids, lps, ranks = logprobs
