@@ -12,8 +12,13 @@ from mrv2.models.loader import DEFAULT_MODEL_DIR
 LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199, 952, 26]
 
 
-def _spec(k, **extra):
-    return {"method": "ngram", "num_speculative_tokens": k, **extra}
+DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
+
+
+def _spec(k, method="ngram", **extra):
+    if method == "draft_model":
+        extra["model"] = DRAFT
+    return {"method": method, "num_speculative_tokens": k, **extra}
 
 
 def _inputs(n):
@@ -41,10 +46,12 @@ def _tight(**kw):
                num_gpu_blocks_override=16, block_size=4, **kw)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", ["FULL", "NONE"])
-def test_speculating_loop_runs_under_sync_debug_error(mode):
+def test_speculating_loop_runs_under_sync_debug_error(mode, method):
     """Prefill chunks beside speculating decodes, finishes, preemption; async + graphs."""
-    llm = _tight(async_scheduling=True, cudagraph_mode=mode, speculative_config=_spec(3))
+    llm = _tight(async_scheduling=True, cudagraph_mode=mode,
+                 speculative_config=_spec(3, method))
     inputs, params = _inputs(16), _params(16)
     llm.generate(inputs[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
     torch.cuda.synchronize()
@@ -59,13 +66,14 @@ def test_speculating_loop_runs_under_sync_debug_error(mode):
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_fp32_tokens_equal_without_speculation(k):
+def test_fp32_tokens_equal_without_speculation(k, method):
     """fp32: greedy and seeded tokens equal, logprobs close, async on, graphs on."""
     inputs, params = _inputs(12), _params(12)
     kw = {"dtype": "float32", "async_scheduling": True}
     want = _tight(**kw).generate(inputs, params, use_tqdm=False)
-    llm = _tight(speculative_config=_spec(k), **kw)
+    llm = _tight(speculative_config=_spec(k, method), **kw)
     got = llm.generate(inputs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for a, b in zip(want, got):

@@ -212,3 +212,59 @@ def test_stop_strings_inside_accepted_runs(roomy):
     assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in a] == \
         [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in b]
     assert all(o.outputs[0].finish_reason == "stop" for o in b)
+
+
+# -- the draft-model proposer (mrv2/assets/tiny-qwen3-shakespeare-draft) -----------------
+
+DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
+
+
+def _draft(k):
+    return {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("k,async_scheduling", [(1, True), (3, False)])
+def test_draft_model_greedy_equals_no_speculation_tight(baseline, k, async_scheduling):
+    inputs, want = baseline
+    llm = _tight(_draft(k), async_scheduling)
+    got = llm.generate(inputs, _params(), use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    stats = llm.runner.spec.stats
+    assert stats.num_accepted_tokens > 0 and llm.scheduler.num_preemptions > 0
+    # A draft model proposes at every slot, except past a row's KV blocks (tight pool).
+    assert stats.num_draft_tokens >= 0.8 * stats.num_draft_slots
+    _assert_clean(llm)
+
+
+def test_draft_model_seeded_sampling_identical_with_coupled_noise(roomy):
+    plain, _ = roomy
+    spec = LLM(max_model_len=128, max_num_seqs=4, dtype="float32",
+               speculative_config=_draft(3), async_scheduling=True)
+    prompts = [{"prompt_token_ids": p} for p in (LOOP, KING)] + ["JULIET:\nO Romeo,"]
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=10, ignore_eos=True,
+                         logprobs=1 if s == 1 else None) for s in range(3)]
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    got = spec.generate(prompts, sp, use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    for px, py in zip(want[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
+        assert list(px) == list(py)
+    # The draft samples with the target's (seed, position) noise: sampled drafts get accepted.
+    assert spec.runner.spec.stats.acceptance_rate > 0.2
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2},
+     "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "model": DRAFT, "num_speculative_tokens": 2}, "only for"),
+])
+def test_bad_draft_model_config(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(max_model_len=32, max_num_seqs=2, speculative_config=cfg)
+
+
+def test_draft_with_another_vocabulary_is_refused(shared_data):
+    cfg = {"method": "draft_model", "num_speculative_tokens": 2,
+           "model": str(shared_data / "stories260K" / "hf-llama")}
+    with pytest.raises(ValueError, match="vocab size"):
+        LLM(max_model_len=32, max_num_seqs=2, speculative_config=cfg)
