@@ -31,12 +31,20 @@ class StepOutput:
             and the top-k, when some request asked for logprobs; else ``None``.
         prompt_logprobs: request id -> ``(ids, logprobs, ranks)`` host tensors for a
             request whose prompt logprobs became complete in this step.
+        num_draft_tokens: with speculative decoding, the real drafts each request
+            verified; then ``sampled_token_ids`` holds one run of ``a + 1`` tokens per
+            request and each logprobs column one entry per token of the run. ``None``:
+            one token per request.
+        bounds_corrected: the scheduler already used this step's exact accepted counts
+            (``sync_accepted_counts``).
     """
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list
     logprobs: tuple[list, list, list] | None = None
     prompt_logprobs: dict = field(default_factory=dict)
+    num_draft_tokens: list[int] | None = None
+    bounds_corrected: bool = False
 
 
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -63,6 +71,10 @@ class AsyncOutput:
         sampled_token_ids: ``[num_reqs]`` device tensor (``None`` for an empty step).
         logprobs: ``(ids [B, k+1], logprobs [B, k+1], ranks [B])`` device tensors, or ``None``.
         prompt_logprobs: request id -> ``(ids, logprobs, ranks)`` device tensors.
+        num_sampled: speculative decoding: ``[num_reqs]`` run lengths ``a + 1``; then
+            ``sampled_token_ids`` is ``[num_reqs, K + 1]`` and the logprobs tensors carry a
+            ``K + 1`` axis after the first.
+        num_draft_tokens: ``[num_reqs]`` real drafts verified (with ``num_sampled``).
 
     The constructor enqueues the copies and returns at once. It must be called on
     the stream that produced the tensors, after the work that produces them.
@@ -70,10 +82,14 @@ class AsyncOutput:
 
     def __init__(self, req_ids: list[str], sampled_token_ids: torch.Tensor | None,
                  logprobs: tuple[torch.Tensor, ...] | None = None,
-                 prompt_logprobs: dict | None = None):
+                 prompt_logprobs: dict | None = None, num_sampled: torch.Tensor | None = None,
+                 num_draft_tokens: torch.Tensor | None = None):
         self.req_ids = req_ids
+        # Set by the runner after a deliberate sync (sync_accepted_counts), else None.
+        self.synced_num_sampled: list[int] | None = None
         tensors = {"sampled": sampled_token_ids, "logprobs": logprobs,
-                   "prompt_logprobs": prompt_logprobs or {}}
+                   "prompt_logprobs": prompt_logprobs or {}, "num_sampled": num_sampled,
+                   "num_draft_tokens": num_draft_tokens}
         device = None if sampled_token_ids is None else sampled_token_ids.device
         self.event = None
         if device is None or device.type != "cuda":
@@ -103,7 +119,17 @@ class AsyncOutput:
         if host["sampled"] is None:
             return StepOutput([], [], None, host["prompt_logprobs"])
         lp = None if host["logprobs"] is None else tuple(t.tolist() for t in host["logprobs"])
-        return StepOutput(self.req_ids, host["sampled"].tolist(), lp, host["prompt_logprobs"])
+        sampled = host["sampled"].tolist()
+        if host["num_sampled"] is None:
+            return StepOutput(self.req_ids, sampled, lp, host["prompt_logprobs"])
+        # Speculative decoding: keep each request's run of a + 1 tokens (and logprobs).
+        counts = host["num_sampled"].tolist()
+        runs = [row[:n] for row, n in zip(sampled, counts)]
+        if lp is not None:
+            lp = tuple([row[:n] for row, n in zip(col, counts)] for col in lp)
+        return StepOutput(self.req_ids, runs, lp, host["prompt_logprobs"],
+                          host["num_draft_tokens"].tolist(),
+                          bounds_corrected=self.synced_num_sampled is not None)
 
 
 def _map(obj, fn):

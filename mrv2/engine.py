@@ -26,6 +26,7 @@ from mrv2.runner_interface import RunnerInterface
 from mrv2.sample.logprobs import make_logprob_dict
 from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
 from mrv2.scheduler import Scheduler, SchedulerOutput
+from mrv2.spec_decode.scheduling import correct_bounds_now, observe_spec_output
 
 
 class StepCallback:
@@ -68,6 +69,8 @@ class Engine:
         self._pending: tuple[int, SchedulerOutput, object] | None = None
         #: ``StepCallback`` objects called around every step, in order.
         self.callbacks: list[StepCallback] = []
+        # Acceptance counts of speculative decoding (``None`` without it).
+        self.spec_stats = runner.spec_decode_stats
         self._timeline = None
 
     @property
@@ -107,6 +110,8 @@ class Engine:
             self.num_steps += not sched.is_empty
             for cb in self.callbacks:
                 cb.on_launch(*launched[:2])
+            # sync_accepted_counts (benchmark only): the runner synced; use exact counts now.
+            correct_bounds_now(self.scheduler, sched, launched[2])
         if not self.async_scheduling:
             finished = self._process(*launched) if launched is not None else []
         else:
@@ -136,25 +141,36 @@ class Engine:
             if req is not None:
                 req.prompt_logprobs = prompt_logprobs_to_output(
                     *tensors, req.sampling_params.prompt_logprobs, detok)
-        for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+        spec = out.num_draft_tokens is not None  # speculative decoding: a run per request
+        for i, (req_id, run) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
             req = self.scheduler.requests.get(req_id)
             if req is None:
                 continue  # it finished while this step was in flight: drop the extra sample
-            req.num_output_placeholders -= 1
-            req.output_token_ids.append(token)
+            tokens = run if spec else [run]
+            if spec:  # the rejected drafts: correct the scheduler's bounds, count acceptance
+                observe_spec_output(req, sched.num_spec_tokens.get(req_id, 0), len(tokens),
+                                    out.num_draft_tokens[i], self.spec_stats,
+                                    corrected=out.bounds_corrected)
+            req.num_output_placeholders -= len(tokens)
             req.last_token_time = t
             if req.first_token_time is None:
                 req.first_token_time = t
-            if req.logprobs is not None:
-                ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k
-                k = req.sampling_params.logprobs
-                req.logprobs.append(make_logprob_dict(ids, lps, rank, len(ids) - 1 if k == -1 else k,
-                                                      detok))
-                req.cumulative_logprob += lps[0]
-            if self._check_stop(req, token):
-                finished.append(req)
+            # Tokens in order, stop conditions after each: a finish inside an accepted run
+            # returns nothing after it.
+            for j, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                if req.logprobs is not None:
+                    # sampled id first, then top-k
+                    ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
+                    k = req.sampling_params.logprobs
+                    req.logprobs.append(make_logprob_dict(ids, lps, rank,
+                                                          len(ids) - 1 if k == -1 else k, detok))
+                    req.cumulative_logprob += lps[0]
+                if self._check_stop(req, token):
+                    finished.append(req)
+                    break
         return finished
 
     def _detok_token(self, token_id: int) -> str:

@@ -73,6 +73,9 @@ class LLM:
         logits_processors: batch-level GPU logits processors
             (``mrv2.sample.logits_processors``): instances, or factories called as
             ``factory(max_num_seqs, device)``.
+        speculative_config: vLLM's dict, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+            (V2 runner only; ``mrv2/spec_decode/``). ``None``: no speculative decoding.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -85,6 +88,7 @@ class LLM:
                  async_scheduling: bool | None = None, model_state_cls=None,
                  cudagraph_mode: str | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_bytes: int | None = None,
+                 speculative_config: dict | None = None,
                  **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
@@ -102,6 +106,7 @@ class LLM:
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
+        spec_config = _spec_config(speculative_config, runner, logits_processors)
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
         if cudagraph_mode is None:
@@ -152,6 +157,8 @@ class LLM:
 
         extra = {} if model_state_cls is None else {"model_state_cls": model_state_cls}
         extra["prefill_graphs"] = cudagraph_mode == "FULL"
+        if spec_config is not None:
+            extra["speculative_config"] = spec_config
         self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
                                   self.cache_config, num_blocks, self.device, self.dtype,
                                   enforce_eager=enforce_eager,
@@ -159,7 +166,11 @@ class LLM:
         self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
         self.kv_manager = KVCacheManager(num_blocks, block_size,
                                          enable_caching=bool(enable_prefix_caching))
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_manager,
+            num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
+            num_lookahead_tokens=spec_config.num_speculative_tokens
+            if spec_config is not None and spec_config.method == "draft_model" else 0)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
         self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
@@ -360,7 +371,27 @@ class LLM:
                              prompt_logprobs=first.prompt_logprobs,
                              outputs=outs, finished=all(r.is_finished for r in group),
                              num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=group_metrics(group))
+                             metrics=group_metrics(group, self.runner.spec_decode_stats))
+
+
+def _spec_config(speculative_config, runner: str, logits_processors):
+    """Check ``LLM(speculative_config=...)`` before any work; ``None`` when off."""
+    if speculative_config is None:
+        return None
+    from mrv2.spec_decode.config import SpeculativeConfig
+
+    config = SpeculativeConfig.from_dict(speculative_config)
+    if runner != "v2":
+        raise ValueError("speculative_config needs the V2 runner (runner='v2')")
+    if logits_processors:
+        # NOTE: a batch-level processor sees one row per request, not per draft position.
+        raise ValueError("speculative_config cannot be combined with logits_processors")
+    if config.verification != "exact":
+        # NOTE: the kernel (mrv2/spec_decode/verify.py) exists and is tested; the runner
+        # does not yet hand it the draft probabilities and filtered target logits.
+        raise ValueError("speculative_config['verification']='probabilistic' is not wired "
+                         "into the runner yet; use 'exact' (the default)")
+    return config
 
 
 def _pick_runner(runner: str | None) -> str:

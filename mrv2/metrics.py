@@ -24,6 +24,8 @@ class RequestMetrics:
         time_in_queue: ``first_scheduled_time - arrival_time`` in seconds.
         finished_time: when it finished (``None``: still running).
         num_generation_tokens: generated tokens (all ``n`` completions together).
+        spec_decode: with speculative decoding, the prompt's acceptance counts
+            (``mrv2.spec_decode.metrics.SpecDecodeStats.as_dict``); else ``None``.
     """
 
     arrival_time: float
@@ -33,6 +35,7 @@ class RequestMetrics:
     time_in_queue: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    spec_decode: dict | None = None
 
     @property
     def first_token_latency(self) -> float | None:
@@ -47,12 +50,14 @@ def now() -> float:
     return time.time()
 
 
-def group_metrics(requests) -> RequestMetrics:
+def group_metrics(requests, spec_stats=None) -> RequestMetrics:
     """The metrics of one prompt from its ``n`` requests (earliest start, latest end).
 
     Args:
         requests: ``Request`` objects carrying ``arrival_time``, ``first_scheduled_time``,
-            ``first_token_time``, ``last_token_time``, ``finished_time``.
+            ``first_token_time``, ``last_token_time``, ``finished_time`` (and ``spec_stats``).
+        spec_stats: the runner's ``SpecDecodeStats`` (``None``: no speculative decoding);
+            only its K is used, to sum the requests' own counts.
 
     Returns:
         One ``RequestMetrics``.
@@ -74,4 +79,15 @@ def group_metrics(requests) -> RequestMetrics:
         first_scheduled_time=scheduled, first_token_time=first("first_token_time"),
         time_in_queue=None if scheduled is None else scheduled - arrival,
         finished_time=finished,
-        num_generation_tokens=sum(len(r.output_token_ids) for r in requests))
+        num_generation_tokens=sum(len(r.output_token_ids) for r in requests),
+        spec_decode=None if spec_stats is None else _spec_counts(requests, spec_stats))
+
+
+def _spec_counts(requests, spec_stats) -> dict:
+    from mrv2.spec_decode.metrics import SpecDecodeStats
+
+    total = SpecDecodeStats(spec_stats.num_speculative_tokens)
+    for r in requests:
+        if r.spec_stats is not None:
+            total.merge(r.spec_stats)
+    return total.as_dict()

@@ -63,7 +63,8 @@ class RequestOutput:
             first admitted (their KV was reused, not recomputed); for ``n > 1``, the
             first completion's (the later ones usually share its blocks too).
         metrics: arrival, scheduling, first/last token and finish times
-            (``mrv2.metrics.RequestMetrics``).
+            (``mrv2.metrics.RequestMetrics``; with speculative decoding its
+            ``spec_decode`` holds the acceptance counts).
     """
 
     request_id: str

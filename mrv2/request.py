@@ -55,6 +55,11 @@ class Request:
         # once), and the tokens found cached at the first admission (-1: not admitted yet).
         self.block_hashes: list[int] = []
         self.num_cached_tokens = -1
+        # Of those, the draft slots of speculating steps in flight: they may be rejected
+        # (mrv2/spec_decode/scheduling.py); placeholders minus these is a lower bound.
+        self.num_spec_placeholders = 0
+        # Its own acceptance counts (``SpecDecodeStats``), once it has speculated.
+        self.spec_stats = None
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None

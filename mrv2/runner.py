@@ -36,6 +36,7 @@ from mrv2.runner_interface import RunnerInterface
 from mrv2.sample import Sampler, SamplingStates
 from mrv2.sample.prompt_logprobs import PromptLogprobsAccumulator
 from mrv2.scheduler import SchedulerOutput
+from mrv2.spec_decode.verify_step import SpecDecodeStep
 from mrv2.state import RequestStateTable, apply_scheduler_output
 
 
@@ -57,12 +58,14 @@ class ModelRunner(RunnerInterface):
             (held by the sampler's ``SamplingStates``).
         model_state_cls: the ``ModelState`` class to use (default: ``ModelState``),
             built as ``model_state_cls(model, max_model_len)``.
+        speculative_config: a checked speculative config (``mrv2/spec_decode/``), or ``None``.
     """
 
     def __init__(self, model, hf_config, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, enforce_eager: bool = False, logits_processors=(),
-                 model_state_cls: type[ModelState] = ModelState, prefill_graphs: bool = True):
+                 model_state_cls: type[ModelState] = ModelState, prefill_graphs: bool = True,
+                 speculative_config=None):
         self.model_state = model_state_cls(model, scheduler_config.max_model_len)
         self.device = torch.device(device)
         self.max_model_len = scheduler_config.max_model_len
@@ -70,7 +73,13 @@ class ModelRunner(RunnerInterface):
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.block_size = cache_config.block_size
         self.vocab_size = model_state_cls.model_dims(hf_config).vocab_size
-        self.state = RequestStateTable(self.max_num_reqs, scheduler_config.max_model_len, device)
+        # Speculative decoding: K draft slots per state row, and the per-step logic.
+        self.spec = (None if speculative_config is None else SpecDecodeStep(
+            speculative_config, self.device, vocab_size=self.vocab_size, num_blocks=num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len, dtype=dtype))
+        self.state = RequestStateTable(
+            self.max_num_reqs, scheduler_config.max_model_len, device,
+            num_speculative_tokens=0 if self.spec is None else self.spec.k)
         self.block_tables = BlockTables(
             self.max_num_reqs, cdiv(scheduler_config.max_model_len, self.block_size),
             self.block_size, self.max_num_tokens, device)
@@ -87,6 +96,11 @@ class ModelRunner(RunnerInterface):
             capture_sizes(self.max_num_reqs) if use_graphs else [],
             prefill_capture_sizes(self.max_num_reqs, self.max_num_tokens)
             if use_graphs and prefill_graphs else [])
+
+    @property
+    def spec_decode_stats(self):
+        """Acceptance counts of speculative decoding (``None`` without it)."""
+        return None if self.spec is None else self.spec.stats
 
     def capture_cuda_graphs(self, progress: bool = True) -> None:
         """Capture the forward pass at every graph key (a no-op without graphs)."""
@@ -148,23 +162,36 @@ class ModelRunner(RunnerInterface):
         with self._phase("forward"):
             hidden = self.model_state.run(batch, graph_size)                  # [T_pad, hidden]
         with self._phase("sample"):
-            out = self._sample(batch, rows, num_scheduled, hidden)
+            out = self._sample(batch, rows, num_scheduled, hidden, sched.num_spec_tokens)
         if self.timeline is not None:
             self.timeline.gpu_mark("end")
         return out
 
     def _sample(self, batch: InputBatch, rows: list[int], num_scheduled: list[int],
-                hidden: torch.Tensor) -> AsyncOutput:
-        """Logits of each request's last token -> sampler -> append the samples."""
+                hidden: torch.Tensor, num_spec_tokens: dict | None = None) -> AsyncOutput:
+        """Logits rows -> sampler -> append the samples (or verify the drafts).
+
+        Without speculation each request gives one logits row, its last token's; with it,
+        every query token of a speculating request gives one (``N >= B`` rows;
+        ``mrv2/spec_decode/verify_step.py``)."""
         num_reqs = batch.num_reqs
-        logits = self.model_state.compute_logits(hidden[batch.logits_indices[:num_reqs]])  # [B, V]
-        # The sampled token sits at position seq_len (just after the step's last token).
-        out = self.sampler(logits, batch.idx_mapping[:num_reqs], batch.seq_lens[:num_reqs],
-                           rows, self.state)
+        logits_indices = batch.logits_indices[:num_reqs]
+        idx_mapping = batch.idx_mapping[:num_reqs]
+        positions = batch.seq_lens[:num_reqs]  # the sampled token sits at position seq_len
+        spec_rows = None
+        if self.spec is not None:
+            spec_rows = self.spec.expand(batch, num_scheduled, num_spec_tokens or {})
+            logits_indices, idx_mapping, positions = (
+                spec_rows.logits_indices, spec_rows.idx_mapping, spec_rows.positions)
+        logits = self.model_state.compute_logits(hidden[logits_indices])      # [N, V]
+        out = self.sampler(logits, idx_mapping, positions, rows, self.state)
+        prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
+        if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
+            return self.spec.finish(self, batch, spec_rows, out.sampled, out.logprobs,
+                                    prompt_logprobs, rows)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,
                                            out.sampled, num_reqs, self.state)
-        return AsyncOutput(batch.req_ids, out.sampled, out.logprobs,
-                           self._prompt_logprobs(batch.req_ids, num_scheduled, hidden))
+        return AsyncOutput(batch.req_ids, out.sampled, out.logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, req_ids, num_scheduled, hidden) -> dict:
         """Feed this step's hidden states of prompt tokens to the accumulator (chunked)."""

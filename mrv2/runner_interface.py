@@ -3,7 +3,7 @@
 Both runners implement it: ``mrv2.runner.ModelRunner`` (V2) and
 ``mrv2.v1.runner.V1ModelRunner`` (the baseline). ``LLM`` and ``Engine`` call nothing
 else, so a third runner (a tensor-parallel one, a speculative one) is a subclass with
-these four members, not a new set of ``hasattr`` probes.
+these members, not a new set of ``hasattr`` probes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class RunnerInterface(ABC):
     """
 
     timeline = None
+
+    @property
+    def spec_decode_stats(self):
+        """The runner's ``SpecDecodeStats`` when it speculates, else ``None`` (the default)."""
+        return None
 
     @abstractmethod
     def execute_model(self, sched) -> RunnerOutput:

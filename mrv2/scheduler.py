@@ -31,6 +31,11 @@ from mrv2.config import SchedulerConfig
 from mrv2.kv_cache import KVCacheManager
 from mrv2.metrics import now
 from mrv2.request import Request, RequestStatus
+from mrv2.spec_decode.scheduling import (
+    add_spec_placeholders,
+    num_output_lower_bound,
+    num_spec_tokens_for,
+)
 
 
 @dataclass
@@ -64,6 +69,8 @@ class SchedulerOutput:
         preempted_req_ids: the subset of ``finished_req_ids`` that was preempted.
         sampling_req_ids: requests whose step reaches the end of their known tokens
             and so samples a real token (the others are partial prefill chunks).
+        num_spec_tokens: speculating request -> K_b, its draft slots this step (its
+            ``num_scheduled_tokens`` is ``1 + K_b``); absent: no speculation.
     """
 
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -74,6 +81,7 @@ class SchedulerOutput:
     max_seq_len: int = 0
     preempted_req_ids: set[str] = field(default_factory=set)
     sampling_req_ids: set[str] = field(default_factory=set)
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -86,10 +94,16 @@ class Scheduler:
     Args:
         config: request cap, token budget and length limit.
         kv_manager: the KV block pool.
+        num_speculative_tokens: K, draft slots for a running decode (0: no speculation).
+        num_lookahead_tokens: KV slots allocated past a running request's step, where a
+            draft model writes its chained steps (K for ``draft_model``, else 0).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0):
         self.config = config
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -146,12 +160,25 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            # NOTE: min with the length: with speculation num_computed_tokens is an upper
+            # bound while steps are in flight; at the limit, wait for their outputs.
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget,
+                          self.config.max_model_len - req.num_computed_tokens)
             if num_new <= 0 or self._surely_done(req):
                 i += 1
                 continue
-            while (new := self.kv.allocate(req.request_id,
-                                           req.num_computed_tokens + num_new)) is None:
+            # Speculative decoding: a decode takes 1 + K_b tokens (mrv2/spec_decode/).
+            num_spec = (num_spec_tokens_for(req, num_new, budget, self.num_speculative_tokens,
+                                            self.config.max_model_len)
+                        if self.num_speculative_tokens else 0)
+            num_new += num_spec
+            lookahead = self.num_lookahead_tokens
+            while (new := self.kv.allocate(req.request_id, min(
+                    req.num_computed_tokens + num_new + lookahead,
+                    self.config.max_model_len))) is None:
+                if lookahead or num_spec:  # short of blocks: no drafts before preempting
+                    num_new, num_spec, lookahead = num_new - num_spec, 0, 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -162,6 +189,8 @@ class Scheduler:
                 out.new_block_ids[req.request_id] = new
             self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
             out.num_scheduled_tokens[req.request_id] = num_new
+            if num_spec:
+                out.num_spec_tokens[req.request_id] = num_spec
             budget -= num_new
             i += 1
 
@@ -199,7 +228,8 @@ class Scheduler:
             req.num_computed_tokens += n
             out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
-                req.num_output_placeholders += 1  # this step samples a token for it
+                # This step samples a token for it (1 + K_b possible ones when speculating).
+                add_spec_placeholders(req, out.num_spec_tokens.get(req_id, 0))
                 out.sampling_req_ids.add(req_id)
         return out
 
@@ -207,10 +237,11 @@ class Scheduler:
         """True when the tokens in flight already finish ``req`` (max_tokens or length).
 
         Only possible with async scheduling; scheduling it again would be wasted work.
+        NOTE: a lower bound: a speculating step in flight surely yields one token only.
         """
         if not req.num_output_placeholders:
             return False
         max_tokens = req.sampling_params.max_tokens
-        out = len(req.output_token_ids) + req.num_output_placeholders
+        out = num_output_lower_bound(req)
         return ((max_tokens is not None and out >= max_tokens)
-                or req.num_tokens_with_placeholders >= self.config.max_model_len)
+                or req.num_prompt_tokens + out >= self.config.max_model_len)

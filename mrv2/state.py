@@ -78,6 +78,7 @@ class RequestStateTable:
         max_num_reqs: rows in the table (the most requests alive at once).
         max_model_len: the longest sequence (prompt + output) a row can hold.
         device: where the table lives.
+        num_speculative_tokens: K, the draft slots per row (0: no speculative decoding).
 
     Attributes (device tensors, ``R = max_num_reqs``):
         token_ids: int32 ``[R, max_model_len]``, prefill tokens then sampled tokens.
@@ -87,9 +88,14 @@ class RequestStateTable:
             ``min_p``, ``repetition_penalty``, ``presence_penalty``,
             ``frequency_penalty`` are its rows (``[R]`` views).
         seed: int64 ``[R]``.
+        draft_token_ids: int32 ``[R, K]``, the proposer's drafts for each row's next step
+            (-1: no draft); the same drafts also sit in ``token_ids`` just past
+            ``total_len``, where the next step's ``prepare_inputs`` reads them
+            (``mrv2/spec_decode/``).
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device | str):
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device | str,
+                 num_speculative_tokens: int = 0):
         if max_num_reqs <= 0 or max_model_len <= 0:
             raise ValueError("max_num_reqs and max_model_len must be positive, got "
                              f"{max_num_reqs} and {max_model_len}")
@@ -115,6 +121,10 @@ class RequestStateTable:
         (self.temperature, self.top_p, self.min_p, self.repetition_penalty,
          self.presence_penalty, self.frequency_penalty) = self.float_params.unbind(0)
         self.seed = zeros(max_num_reqs, dtype=torch.int64)             # [R]
+        # NOTE: never reset per request: a row's drafts are only read by a step that
+        # speculates, and the proposer writes them in every step the row takes part in.
+        self.draft_token_ids = torch.full((max_num_reqs, num_speculative_tokens), -1,
+                                          dtype=torch.int32, device=self.device)  # [R, K]
 
         # The CPU side: who owns which row, and nothing else.
         # NOTE: pop() takes from the end, so row 0 is handed out first and a freed

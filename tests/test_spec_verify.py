@@ -135,7 +135,8 @@ def test_exact_equals_sequential_sampling(k):
         token_ids=torch.zeros(4, width, dtype=torch.int32),
         total_len=torch.full((4,), prompt_len, dtype=torch.int32),
         num_computed_tokens=torch.full((4,), prompt_len - 1, dtype=torch.int32),
-        last_sampled_token=torch.full((4,), -1, dtype=torch.int32))
+        last_sampled_token=torch.full((4,), -1, dtype=torch.int32),
+        draft_token_ids=torch.full((4, k), -1, dtype=torch.int32))
     table_state.token_ids[:, :prompt_len] = prompts
     buf = {name: torch.zeros(4 * (k + 1) + 1, dtype=torch.int32) for name in
            ("query_start_loc", "seq_lens", "input_ids", "positions", "logits_indices")}
@@ -148,7 +149,7 @@ def test_exact_equals_sequential_sampling(k):
             at = int(table_state.total_len[0])
             oracle = seqs[0, at:at + k]
             drafts[0, :oracle.numel()] = oracle
-        write_draft_slots(idx, drafts, num_reqs, table_state)
+        write_draft_slots(drafts, idx, num_reqs, table_state)
         n_sched = torch.full((num_reqs,), k + 1, dtype=torch.int32)
         prepare_inputs(idx, n_sched, num_reqs, num_reqs * (k + 1), table_state, **buf)
         input_ids = buf["input_ids"][:num_reqs * (k + 1)].long()          # [B * (1 + K)]

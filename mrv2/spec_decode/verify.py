@@ -278,6 +278,31 @@ def _accept(draft_token_ids, sampled, accepted, exact: bool) -> VerifyOutput:
     return VerifyOutput(out, num_out, num_acc, sampled)
 
 
+def exact_accept(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor,
+                 num_spec_tokens: torch.Tensor) -> VerifyOutput:
+    """``exact`` acceptance of drafts against target samples the caller already drew.
+
+    The runner samples every logits row with its ``Sampler`` (logit rules, logprobs and
+    the stateless Gumbel noise included), then calls this: a draft is accepted while it
+    equals the target's sample at its position. One launch, no sync.
+
+    Args:
+        draft_token_ids: int32 ``[B, K]`` drafts (-1: none, never accepted).
+        target_token_ids: ``[B, K + 1]`` the target's sample at each position.
+        num_spec_tokens: int32 ``[B]`` K_b <= K, the drafts slot ``b`` really verified
+            (drafts past it are ignored; 0 for a slot that did not speculate).
+
+    Returns:
+        ``VerifyOutput`` (``sampled`` is ``target_token_ids`` flattened).
+    """
+    num_reqs, k = draft_token_ids.shape
+    j = torch.arange(k, device=draft_token_ids.device)                      # [K]
+    drafts = torch.where(j[None, :] < num_spec_tokens[:, None],
+                         draft_token_ids.to(torch.int32), -1)               # [B, K]
+    sampled = target_token_ids.to(torch.int64).contiguous().view(-1)       # [B * (K + 1)]
+    return _accept(drafts, sampled, None, exact=True)
+
+
 def exact_verify(logits: torch.Tensor, draft_token_ids: torch.Tensor, idx_mapping: torch.Tensor,
                  base_positions: torch.Tensor, state, *,
                  needs_top_k_top_p: bool = True) -> VerifyOutput:

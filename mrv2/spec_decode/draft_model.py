@@ -1,0 +1,118 @@
+"""The draft-model proposer: a small model with the target's tokenizer, on its own KV cache.
+
+The draft shares everything but weights and KV with the target: the same state rows, the
+same KV block ids (its own paged cache has as many blocks as the target's, so a slot means
+the same token in both), the same gathered block table. Per target step:
+
+1. **mirror**: one forward pass over the target step's very inputs (``input_ids``,
+   ``positions``, ``slot_mapping``) fills the draft's KV for every token the target saw
+   (prefill chunks included);
+2. **K chained single-token steps** from the row's next token (``token_ids[row,
+   num_computed]``: the bonus or correction token after verification): each samples the
+   next draft with the *target's* sampler and (seed, position) noise, so a draft that
+   agrees with the target's distribution proposes the target's very sample (coupled noise:
+   sampled requests keep a high acceptance under ``exact`` verification).
+
+Everything is on the device; the only CPU input is each slot's KV capacity (allocated
+blocks x block size): a chained step past it writes nothing (a worse draft, never a
+wrong output, since verification is exact). The scheduler allocates K lookahead slots so
+that this rarely happens. Eager only (no CUDA graphs yet).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.model_state import ModelState
+from mrv2.sample import SamplingMetadata
+from mrv2.state import to_device_async
+
+
+class DraftModelProposer:
+    """K drafts per row from a small model (see the module docstring).
+
+    Args:
+        path: the draft's Hugging Face folder.
+        target_vocab_size: the target's vocabulary (the draft must have the same).
+        num_blocks, block_size: the target's KV pool (the draft's cache mirrors it).
+        max_model_len: the longest sequence.
+        dtype, device: as the target's.
+    """
+
+    def __init__(self, path: str, target_vocab_size: int, num_blocks: int, block_size: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device):
+        from mrv2.models.loader import load_model
+
+        model, cfg = load_model(path, dtype, device)
+        draft_vocab = ModelState.model_dims(cfg).vocab_size
+        if draft_vocab != target_vocab_size:
+            raise ValueError(f"speculative_config['model']={path!r} has vocab size "
+                             f"{draft_vocab}, the target {target_vocab_size}: "
+                             "the draft must share the target's tokenizer")
+        # Its own paged KV cache, indexed by the target's block ids.
+        self.kv_caches = ModelState.make_kv_caches(model, cfg, num_blocks, block_size, dtype,
+                                                   torch.device(device))
+        self.model_state = ModelState(model, max_model_len)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def propose(self, batch, runner, k: int, meta: SamplingMetadata) -> torch.Tensor:
+        """Mirror the target step, then K chained steps; ``[B, K]`` int32 drafts.
+
+        Args:
+            batch: the target step's ``InputBatch`` (its buffers still hold its inputs).
+            runner: the ``ModelRunner`` (state table, block tables, sampler).
+            k: K.
+            meta: the batch's sampling flags (greedy / top-k-top-p).
+        """
+        state, num_reqs = runner.state, batch.num_reqs
+        md = batch.attn_metadata
+        # 1. The target's inputs, through the draft: its KV for every token of the step.
+        self.model_state.forward(batch.input_ids[:batch.num_tokens],
+                                 batch.positions[:batch.num_tokens],
+                                 _trim(md, batch.num_reqs, batch.num_tokens))
+        # 2. Chained single-token steps from the next token of each row.
+        idx_mapping = batch.idx_mapping[:num_reqs]
+        rows = idx_mapping.long()
+        rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
+        capacity = to_device_async(runner.block_tables.num_blocks[rows_np] * self.block_size,
+                                   self.device)                             # [B]
+        start = state.num_computed_tokens[rows].long()                      # [B]
+        tok = state.token_ids[rows, start.clamp(max=self.max_model_len - 1)]  # [B]
+        query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
+        max_seq_len = min(md.max_seq_len + k, self.max_model_len)
+        drafts = []
+        for i in range(k):
+            pos = start + i                                                 # [B]
+            live = (pos < self.max_model_len) & (pos < capacity)
+            pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
+            slots = runner.block_tables.compute_slot_mappings(
+                idx_mapping, query_start_loc, pos32, num_reqs, num_reqs)    # [B]
+            step_md = AttentionMetadata(
+                query_start_loc=query_start_loc, seq_lens=pos32 + 1,
+                block_table=batch.block_table[:num_reqs],
+                slot_mapping=torch.where(live, slots, -1), max_query_len=1,
+                max_seq_len=max_seq_len)
+            hidden = self.model_state.forward(tok.to(torch.int32), pos32, step_md)
+            logits = self.model_state.compute_logits(hidden)                # [B, V]
+            if meta.needs_top_k_top_p:
+                logits = logits.float()
+            # NOTE: the target's sampler and noise at the draft's position: coupled drafts.
+            tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 1, meta)  # [B]
+            drafts.append(torch.where(live, tok, -1))
+        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]
+
+
+def batch_rows(runner, batch) -> list[int]:
+    """The state rows of the batch, on the CPU (the runner knows them)."""
+    return [runner.state.row_of(r) for r in batch.req_ids]
+
+
+def _trim(md: AttentionMetadata, num_reqs: int, num_tokens: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=md.query_start_loc[:num_reqs + 1], seq_lens=md.seq_lens[:num_reqs],
+        block_table=md.block_table[:num_reqs], slot_mapping=md.slot_mapping[:num_tokens],
+        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)

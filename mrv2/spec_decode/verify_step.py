@@ -1,0 +1,182 @@
+"""The runner's side of speculative decoding: logits rows per draft, verify, append, propose.
+
+A speculating request ``b`` scheduled ``1 + K_b`` tokens ``[last sampled, d1 .. dK_b]``;
+each of them gives a logits row, the others (prefill chunks, plain decodes) give one. The
+step then runs, all on the device and in stream order:
+
+1. ``expand``: per logits row, the hidden-state index, its state row (an expanded
+   ``idx_mapping``) and the absolute position of the token it samples
+   (``seq_len - K_b + j``), from CPU-known counts (one small host->device copy);
+2. the unchanged logit rules and sampler over those rows: the target's own Gumbel-max
+   sample at every position, with the stateless (seed, position) noise, so a seeded
+   request samples exactly the tokens it samples without speculation;
+3. ``finish``: ``exact`` acceptance against the drafts in ``state.draft_token_ids``
+   (``a_b`` leading matches, output = the first ``a_b + 1`` targets), ``spec_post_update``
+   (``num_computed_tokens``, ``token_ids``, ``total_len``, ``last_sampled_token``), then the
+   proposer writes the next drafts into the draft slots.
+
+The ``[B, K + 1]`` output tokens and the ``[B]`` run lengths reach the host on the side
+stream, one step late; nothing here waits for the device (except ``sync_accepted_counts``,
+a deliberate V1-style sync kept for the benchmark). See notebooks/09_speculative_decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mrv2.async_output import AsyncOutput
+from mrv2.sample import SamplingMetadata
+from mrv2.spec_decode.config import SpeculativeConfig
+from mrv2.spec_decode.draft_slots import spec_post_update, write_draft_slots
+from mrv2.spec_decode.ngram import ngram_propose
+from mrv2.spec_decode.verify import exact_accept
+from mrv2.spec_decode.metrics import SpecDecodeStats
+from mrv2.state import to_device_async
+
+
+@dataclass
+class SpecRows:
+    """One step's logits rows (device tensors; ``N`` rows, ``B`` requests).
+
+    Attributes:
+        logits_indices: int64 ``[N]`` hidden-state row of each logits row.
+        idx_mapping: int32 ``[N]`` its state row.
+        positions: int64 ``[N]`` absolute position of the token it samples.
+        gather: int64 ``[B, K + 1]`` logits row of request b's j-th candidate (clamped to
+            its last row past K_b).
+        num_spec_tokens: int32 ``[B]`` K_b.
+    """
+
+    logits_indices: torch.Tensor
+    idx_mapping: torch.Tensor
+    positions: torch.Tensor
+    gather: torch.Tensor
+    num_spec_tokens: torch.Tensor
+
+
+def expand_rows_np(num_scheduled, num_spec, k: int) -> dict[str, np.ndarray]:
+    """The CPU half of ``expand``: index arrays from the scheduled counts (numpy).
+
+    Args:
+        num_scheduled: ``[B]`` tokens per request (``1 + K_b`` for a speculating one).
+        num_spec: ``[B]`` K_b (0: one logits row, its last token).
+        k: K of the config.
+
+    Returns:
+        ``logits_indices``, ``slot`` (request of each row), ``back`` (``K_b - j``): ``[N]``;
+        ``gather`` ``[B, K + 1]``; all int64.
+    """
+    n = np.asarray(num_scheduled, dtype=np.int64)
+    ks = np.asarray(num_spec, dtype=np.int64)
+    width = 1 + ks                                                          # [B]
+    query_start = np.cumsum(n) - n                                          # [B]
+    row_start = np.cumsum(width) - width                                    # [B]
+    slot = np.repeat(np.arange(n.size), width)                              # [N]
+    j = np.arange(slot.size) - row_start[slot]                              # [N]
+    logits_indices = query_start[slot] + n[slot] - 1 - ks[slot] + j         # [N]
+    gather = row_start[:, None] + np.minimum(np.arange(k + 1)[None, :], ks[:, None])
+    return {"logits_indices": logits_indices, "slot": slot, "back": ks[slot] - j,
+            "gather": gather}
+
+
+class SpecDecodeStep:
+    """Per-step speculative decoding for the V2 runner (n-gram proposer, exact verification).
+
+    Args:
+        config: the speculative config (``num_speculative_tokens``, n-gram sizes, sync).
+        device: where the state table lives.
+        draft_args: for ``method="draft_model"``: the target's ``vocab_size``,
+            ``num_blocks``, ``block_size``, ``max_model_len``, ``dtype``.
+    """
+
+    def __init__(self, config: SpeculativeConfig, device: torch.device, **draft_args):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.device = torch.device(device)
+        self.stats = SpecDecodeStats(self.k)
+        self.draft = None
+        if config.method == "draft_model":
+            from mrv2.spec_decode.draft_model import DraftModelProposer
+
+            self.draft = DraftModelProposer(
+                config.model, draft_args["vocab_size"], draft_args["num_blocks"],
+                draft_args["block_size"], draft_args["max_model_len"], draft_args["dtype"],
+                self.device)
+
+    def expand(self, batch, num_scheduled: list[int], num_spec_tokens: dict[str, int]
+               ) -> SpecRows:
+        """The step's logits rows (one host->device copy of CPU-known indices; no sync).
+
+        Args:
+            batch: the step's ``InputBatch``.
+            num_scheduled: ``[B]`` tokens per request, in batch order.
+            num_spec_tokens: ``SchedulerOutput.num_spec_tokens`` (request -> K_b).
+        """
+        num_reqs = batch.num_reqs
+        ks = [num_spec_tokens.get(r, 0) for r in batch.req_ids]
+        idx = expand_rows_np(num_scheduled, ks, self.k)
+        n = idx["slot"].size
+        packed = np.concatenate([idx["logits_indices"], idx["slot"], idx["back"],
+                                 idx["gather"].ravel(), np.asarray(ks, dtype=np.int64)])
+        dev = to_device_async(packed, self.device)                         # [3N + B(K+2)]
+        logits_indices, slot, back = dev[:n], dev[n:2 * n], dev[2 * n:3 * n]
+        gather = dev[3 * n:3 * n + num_reqs * (self.k + 1)].view(num_reqs, self.k + 1)
+        num_spec = dev[3 * n + num_reqs * (self.k + 1):].to(torch.int32)   # [B]
+        return SpecRows(
+            logits_indices=logits_indices,
+            idx_mapping=batch.idx_mapping[slot],                            # [N]
+            positions=batch.seq_lens[slot].to(torch.int64) - back,          # [N]
+            gather=gather, num_spec_tokens=num_spec)
+
+    def finish(self, runner, batch, rows: SpecRows, sampled: torch.Tensor, logprobs,
+               prompt_logprobs: dict, req_rows: list[int]) -> AsyncOutput:
+        """Verify, append the accepted runs, propose the next drafts; the step's output.
+
+        Args:
+            runner: the ``ModelRunner`` (its state table, buffers and penalties).
+            batch: the step's ``InputBatch``.
+            rows: from ``expand``.
+            sampled: ``[N]`` the target's sample per logits row.
+            logprobs: ``(ids [N, k+1], logprobs [N, k+1], ranks [N])`` or ``None``.
+            prompt_logprobs: as for ``AsyncOutput``.
+            req_rows: the batch's state rows (CPU ints: the sampling flags are read from them).
+        """
+        state, num_reqs = runner.state, batch.num_reqs
+        idx_mapping = batch.idx_mapping                                     # [B_pad]
+        target = sampled[rows.gather]                                       # [B, K + 1]
+        drafts = state.draft_token_ids[idx_mapping[:num_reqs].long()]       # [B, K]
+        verified = exact_accept(drafts, target, rows.num_spec_tokens)
+        output_tokens, num_sampled = verified.output_token_ids, verified.num_output_tokens
+        slots = torch.arange(self.k, device=drafts.device)
+        num_drafts = ((drafts >= 0) & (slots[None, :] < rows.num_spec_tokens[:, None])).sum(1)
+        penalties = runner.sampler.states.penalties
+        if penalties is not None:
+            # NOTE: a penalized request never speculates: its one token is column 0.
+            penalties.update(idx_mapping, runner.buffers.num_scheduled_tokens,
+                                    output_tokens[:, 0], num_reqs, state)
+        spec_post_update(idx_mapping, runner.buffers.num_scheduled_tokens,
+                         rows.num_spec_tokens, output_tokens, num_sampled, num_reqs, state)
+        # The next drafts, read from the updated rows, into the draft slots.
+        cfg = self.config
+        if self.draft is not None:
+            states = runner.sampler.states
+            meta = SamplingMetadata(all_greedy=states.all_greedy(req_rows),
+                                    needs_top_k_top_p=states.needs_top_k_top_p(req_rows))
+            next_drafts = self.draft.propose(batch, runner, self.k, meta)
+        else:
+            next_drafts, _ = ngram_propose(idx_mapping[:num_reqs], state.token_ids,
+                                           state.total_len, self.k, cfg.prompt_lookup_min,
+                                           cfg.prompt_lookup_max)
+        write_draft_slots(next_drafts, idx_mapping, num_reqs, state)
+        if logprobs is not None:
+            ids, lps, ranks = logprobs
+            logprobs = (ids[rows.gather], lps[rows.gather], ranks[rows.gather])  # [B, K+1, ..]
+        out = AsyncOutput(batch.req_ids, output_tokens, logprobs, prompt_logprobs,
+                          num_sampled=num_sampled, num_draft_tokens=num_drafts)
+        if cfg.sync_accepted_counts:
+            # NOTE: the deliberate V1-style sync this option exists to measure.
+            out.synced_num_sampled = num_sampled.tolist()
+        return out
