@@ -14,6 +14,7 @@ _LAZY = {
     "SamplingParams": "mrv2.sampling_params",
     "RequestOutput": "mrv2.outputs",
     "CompletionOutput": "mrv2.outputs",
+    "LLMEngine": "mrv2.engine_api",
 }
 
 
@@ -26,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mrv2' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -19,14 +19,16 @@ are freed as usual. Without it, each step is processed right after its launch.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
+from mrv2.fault import FaultContainment
 from mrv2.request import Request
 from mrv2.sample.logprobs import make_logprob_dict
 from mrv2.sample.prompt_logprobs import prompt_logprobs_to_output
 from mrv2.scheduler import Scheduler, SchedulerOutput
 
 
-class Engine:
+class Engine(FaultContainment):
     """Drives the scheduler and a runner (V2 by default).
 
     Args:
@@ -48,6 +50,10 @@ class Engine:
         self.num_steps = 0
         self._pending: tuple[SchedulerOutput, object] | None = None  # launched, unprocessed
         self._timeline = None
+        self.updated: list[Request] = []    # requests that got a token in the last step
+        self._failed: list[Request] = []    # requests finished with "error" in the last step
+        self._unapplied: set[str] = set()   # sampling requests of the output being applied
+        self._suspects: deque[str] = deque()  # requests to run solo after a failed step
 
     @property
     def timeline(self):
@@ -69,12 +75,43 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
 
+    def abort_requests(self, req_ids) -> list[Request]:
+        """Finish ``req_ids`` with ``"abort"`` in any state; blocks and rows are freed now.
+
+        Unknown (or already finished) ids are ignored, as in vLLM.
+
+        Returns:
+            The requests aborted.
+        """
+        aborted = []
+        for req_id in req_ids:
+            req = self.scheduler.requests.get(req_id)
+            if req is not None:
+                self.scheduler.finish_request(req_id, "abort")
+                aborted.append(req)
+        self._free_rows_now()
+        return aborted
+
+    def _free_rows_now(self) -> None:
+        """Free the state rows of finished requests now, with a finished-only runner call.
+
+        NOTE: safe with a step in flight: the rows' device contents are only overwritten
+        by a later owner's staged write, queued after that step on the same stream.
+        """
+        ids = self.scheduler.take_freed_ids()
+        if ids:
+            self.runner.execute_model(SchedulerOutput(finished_req_ids=ids))
+
     def step(self) -> list[Request]:
         """Run one step: launch the next one, process the oldest unprocessed one.
 
         Returns:
-            The requests that finished in this call.
+            The requests that finished in this call (``finish_reason`` ``"error"`` for a
+            request whose step failed; see ``mrv2.fault``). ``self.updated`` lists every
+            request that got a token.
         """
+        self.updated, self._failed = [], []
+        finished = self._isolate_suspects() if self._suspects else []
         with self._cpu("schedule"):
             sched = self.scheduler.schedule()
         if (sched.is_empty and not sched.finished_req_ids and self._pending is None
@@ -82,18 +119,21 @@ class Engine:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV pool")
         launched = None
         if not sched.is_empty or sched.finished_req_ids:
-            launched = (sched, self.runner.execute_model(sched))
-            self.num_steps += not sched.is_empty
+            launched = self._launch(sched)
+            self.num_steps += launched is not None and not sched.is_empty
         if not self.async_scheduling:
-            finished = self._process(*launched) if launched is not None else []
+            previous = launched
         else:
             previous, self._pending = self._pending, launched
-            finished = self._process(*previous) if previous is not None else []
+        if previous is not None:
+            finished += self._process_safe(*previous)
+        if not self.has_unfinished():
+            self._free_rows_now()  # nothing left to run: no row stays held
         if self._timeline is not None:
             # NOTE: one timeline step = one call; with async scheduling its wait/output
             # spans process the launch of the call before.
             self._timeline.next_step()
-        return finished
+        return finished + [r for r in self._failed if r not in finished]
 
     def _process(self, sched: SchedulerOutput, output) -> list[Request]:
         """Wait for one step's output (its event only) and apply it to the requests."""
@@ -105,27 +145,37 @@ class Engine:
     def _apply(self, sched: SchedulerOutput, out) -> list[Request]:
         finished = []
         detok = self._detok_token if self.tokenizer is not None else None
+        self._unapplied = set(sched.sampling_req_ids)
         for req_id, tensors in out.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             if req is not None:
-                req.prompt_logprobs = prompt_logprobs_to_output(
-                    *tensors, req.sampling_params.prompt_logprobs, detok)
+                with self._contained(req, "building its prompt logprobs"):
+                    req.prompt_logprobs = prompt_logprobs_to_output(
+                        *tensors, req.sampling_params.prompt_logprobs, detok)
         for i, (req_id, token) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
+            self._unapplied.discard(req_id)
             req = self.scheduler.requests.get(req_id)
             if req is None:
                 continue  # it finished while this step was in flight: drop the extra sample
             req.num_output_placeholders -= 1
-            req.output_token_ids.append(token)
-            if req.logprobs is not None:
-                ids, lps, rank = (col[i] for col in out.logprobs)  # sampled id first, then top-k
-                k = req.sampling_params.logprobs
-                req.logprobs.append(make_logprob_dict(ids, lps, rank, len(ids) - 1 if k == -1 else k,
-                                                      detok))
-                req.cumulative_logprob += lps[0]
-            if self._check_stop(req, token):
-                finished.append(req)
+            with self._contained(req, "processing its output"):
+                allowed = getattr(req, "allowed_set", None)
+                if allowed is not None and token not in allowed:
+                    # NOTE: every allowed token was masked (e.g. by a logits processor).
+                    raise ValueError(f"sampled token {token} is outside allowed_token_ids: "
+                                     "every allowed token was masked")
+                req.output_token_ids.append(token)
+                self.updated.append(req)
+                if req.logprobs is not None:
+                    ids, lps, rank = (col[i] for col in out.logprobs)  # sampled, then top-k
+                    k = req.sampling_params.logprobs
+                    req.logprobs.append(make_logprob_dict(
+                        ids, lps, rank, len(ids) - 1 if k == -1 else k, detok))
+                    req.cumulative_logprob += lps[0]
+                if self._check_stop(req, token):
+                    finished.append(req)
         return finished
 
     def _detok_token(self, token_id: int) -> str:

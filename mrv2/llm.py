@@ -9,7 +9,6 @@ and returns one ``RequestOutput`` per prompt, in input order.
 from __future__ import annotations
 
 import math
-import random
 import warnings
 from collections.abc import Sequence
 
@@ -19,10 +18,10 @@ from tqdm.auto import tqdm
 from mrv2 import platform
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.engine import Engine
+from mrv2.engine_api import LLMEngine
 from mrv2.kv_cache import KVCacheManager, cdiv
-from mrv2.outputs import CompletionOutput, RequestOutput
-from mrv2.request import Request
-from mrv2.sampling_params import SamplingParams
+from mrv2.outputs import RequestOutput
+from mrv2.sampling_params import ParamLimits, SamplingParams
 from mrv2.scheduler import Scheduler
 
 # vLLM engine arguments that mean nothing for a single-device offline runner.
@@ -82,6 +81,10 @@ class LLM:
                 raise ValueError(f"{key}={value!r} is not supported (mrv2 runs on one device)")
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        _check_args(seed=seed, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                    num_gpu_blocks_override=num_gpu_blocks_override,
+                    gpu_memory_utilization=gpu_memory_utilization)
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
@@ -96,16 +99,15 @@ class LLM:
         # NOTE: what the runner will really do: on the CPU there are no graphs at all.
         self.cudagraph_mode = "NONE" if enforce_eager or not platform.HAS_CUDA else cudagraph_mode
         self.runner_name, self.async_scheduling = runner, bool(async_scheduling)
+        from transformers import AutoConfig
+
         from mrv2.models.loader import load_model, resolve_model_path
 
         self.dtype = platform.resolve_dtype(dtype)
         self.device = platform.DEVICE
         self.model_path = resolve_model_path(model)
-        torch.manual_seed(seed)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
-                                                load_format=load_format, seed=seed)
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
-
+        # Every size check runs on the config alone, before any weight is read.
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         max_model_len = max_model_len or max_pos
         if max_model_len > max_pos:
@@ -116,12 +118,15 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs))
         self.cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks_override,
                                         gpu_memory_utilization=gpu_memory_utilization)
+        self._check_pool(self.cache_config.num_gpu_blocks or self._auto_num_blocks())
+        torch.manual_seed(seed)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                load_format=load_format, seed=seed,
+                                                hf_config=self.hf_config)
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
+        # NOTE: on a GPU the weights now use memory: size the pool again, exactly.
         num_blocks = self.cache_config.num_gpu_blocks or self._auto_num_blocks()
-        if num_blocks * block_size < max_model_len:
-            # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
-            raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
-                             f"{num_blocks * block_size} tokens, fewer than max_model_len="
-                             f"{max_model_len}: raise num_gpu_blocks_override or lower max_model_len")
+        self._check_pool(num_blocks)
 
         if runner == "v2":
             from mrv2.runner import ModelRunner
@@ -140,9 +145,40 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
-        self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
-        self._rng = random.Random(seed)
+        self._eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.llm_engine = LLMEngine(self.engine, self._param_limits(), max_model_len,
+                                    self.tokenizer, getattr(self.runner, "validate_params", None),
+                                    seed=seed)
         self._counter = 0
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request unless ``ignore_eos`` (settable: the limits follow)."""
+        return set(self._eos_token_ids)
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self._eos_token_ids = set(ids)
+        self.llm_engine.limits = self._param_limits()
+
+    def _check_pool(self, num_blocks: int) -> None:
+        block_size, max_model_len = self.cache_config.block_size, self.scheduler_config.max_model_len
+        if num_blocks * block_size < max_model_len:
+            # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
+            raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
+                             f"{num_blocks * block_size} tokens, fewer than max_model_len="
+                             f"{max_model_len}: raise num_gpu_blocks_override (or "
+                             "gpu_memory_utilization) or lower max_model_len")
+
+    def _param_limits(self) -> ParamLimits:
+        """What requests may ask for. NOTE: the one place that reads the runner's capacities."""
+        rules = getattr(self.runner, "logit_bias", None)  # the V1 baseline has none
+        vocab = self.hf_config.vocab_size
+        return ParamLimits(vocab_size=vocab, max_logprobs=vocab,
+                           max_logit_bias=None if rules is None else rules.max_logit_bias,
+                           max_stop_ids=None if rules is None else rules.max_stop_ids,
+                           eos_token_ids=frozenset(self._eos_token_ids),
+                           has_tokenizer=self.tokenizer is not None)
 
     # -- set-up -----------------------------------------------------------------
 
@@ -177,6 +213,10 @@ class LLM:
                  use_tqdm: bool = True, prompt_token_ids=None) -> list[RequestOutput]:
         """Generate completions for ``prompts``.
 
+        Every prompt and ``SamplingParams`` is validated before anything is submitted. On
+        any exception (``KeyboardInterrupt`` included) the call aborts its own requests,
+        which frees their blocks and rows, so the ``LLM`` stays usable.
+
         Args:
             prompts: a string, a list of strings, a ``{"prompt_token_ids": [...]}``
                 dict (or ``{"prompt": ...}``), or a list of such dicts.
@@ -184,7 +224,8 @@ class LLM:
             use_tqdm: show a progress bar.
 
         Returns:
-            One ``RequestOutput`` per prompt, in input order.
+            One ``RequestOutput`` per prompt, in input order (a completion whose step
+            failed has ``finish_reason="error"`` and the message in ``stop_reason``).
         """
         if prompts is None and prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": p} for p in prompt_token_ids]
@@ -197,105 +238,44 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         # Validate everything before submitting anything: a bad prompt loses no other request.
-        parsed = [self._parse_prompt(p) for p in prompts]
+        eng = self.llm_engine
+        parsed = [eng.parse_prompt(p) for p in prompts]
         for sp in params:
-            self._check_params(sp)
-        groups: list[list[Request]] = []
-        for (text, ids), sp in zip(parsed, params):
-            groups.append([self._make_request(text, ids, sp, i) for i in range(sp.n)])
-        for group in groups:
-            for req in group:
-                self.engine.add_request(req)
-        self._run(len(groups), groups, use_tqdm)
-        return [self._to_output(g) for g in groups]
+            eng.check_params(sp)
+        ids = []
+        try:
+            for p, sp in zip(parsed, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                eng._submit(ids[-1], p, sp)
+            self._run(ids, use_tqdm)
+            return [eng.get_output(rid) for rid in ids]
+        except BaseException:
+            eng.abort_request(ids)  # NOTE: incl. KeyboardInterrupt: no stale request remains
+            raise
+        finally:
+            for rid in ids:
+                eng.pop(rid)
 
-    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True "
-                                 "pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self._parse_prompt(prompt["prompt"])
-        else:
-            raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
-        vocab = self.hf_config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        max_len = self.scheduler_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens long, but max_model_len is {max_len}: "
-                             "it must be shorter to leave room for one generated token")
-        # (The pool holds at least max_model_len tokens, checked in __init__: the prompt fits.)
-        return text, ids
-
-    def _check_params(self, sp: SamplingParams) -> None:
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        vocab = self.hf_config.vocab_size
-        for name, ids in (("logit_bias", sp.logit_bias or ()),
-                          ("allowed_token_ids", sp.allowed_token_ids or ())):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
-        rules = getattr(self.runner, "logit_bias", None)  # the V1 baseline has none
-        if rules is not None and len(sp.logit_bias or ()) > rules.max_logit_bias:
-            raise ValueError(f"SamplingParams.logit_bias has {len(sp.logit_bias)} entries; "
-                             f"at most {rules.max_logit_bias}")
-        if rules is not None and len(sp.stop_token_ids) + len(self.eos_token_ids) > rules.max_stop_ids:
-            raise ValueError(f"SamplingParams.stop_token_ids: at most "
-                             f"{rules.max_stop_ids - len(self.eos_token_ids)} ids")
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        validate = getattr(self.runner, "validate_params", None)
-        if validate is not None:  # a runner may support fewer features (the V1 baseline)
-            validate(sp)
-
-    def _make_request(self, text, ids, sp: SamplingParams, index: int) -> Request:
-        sp = sp.clone()
-        user_seeded = sp.seed is not None
-        if sp.seed is None:
-            sp.seed = self._rng.getrandbits(63)  # one seeded path serves every request
-        elif index:
-            sp.seed += index  # the n completions of a seeded prompt differ, reproducibly
-        sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-        req = Request(str(self._counter), ids, sp, arrival=self._counter, prompt=text)
-        req.index = index
-        req.user_seeded = user_seeded  # the V1 baseline keeps a generator only for these
-        self._counter += 1
-        return req
-
-    def _run(self, num_prompts: int, groups, use_tqdm: bool) -> None:
-        bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm,
+    def _run(self, ids: list[str], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        left = {id(g): len(g) for g in groups}
-        owner = {r.request_id: id(g) for g in groups for r in g}
+        eng = self.llm_engine
+        left = set(ids)
         out_tokens = 0
         try:
-            while self.engine.has_unfinished():
-                for req in self.engine.step():
-                    out_tokens += len(req.output_token_ids)
-                    left[owner[req.request_id]] -= 1
-                    if left[owner[req.request_id]] == 0:
+            while left and eng.engine.has_unfinished():
+                for rid in eng._step_finished():
+                    if rid in left:
+                        left.discard(rid)
+                        out_tokens += sum(len(c.output_token_ids) for c in eng._groups[rid])
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 1e-9
                         bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+            if left:
+                raise RuntimeError(f"the engine stopped with {len(left)} request(s) unfinished")
         finally:
             bar.close()
-
-    def _to_output(self, group: list[Request]) -> RequestOutput:
-        first = group[0]
-        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
-                                 cumulative_logprob=r.cumulative_logprob, logprobs=r.logprobs,
-                                 finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-                for r in group]
-        return RequestOutput(request_id=first.request_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids,
-                             prompt_logprobs=first.prompt_logprobs,
-                             outputs=outs, finished=all(r.is_finished for r in group))
 
 
 def _pick_runner(runner: str | None) -> str:
@@ -339,3 +319,21 @@ def _eos_ids(model_path, hf_config, tokenizer) -> set[int]:
         warnings.warn("no EOS token id found: requests stop only on length or stop ids")
         return set()
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+def _check_args(**args) -> None:
+    """``LLM``'s own numeric arguments, checked before anything is loaded."""
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(args["seed"]):
+        raise TypeError(f"LLM seed must be an integer, got {args['seed']!r}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "num_gpu_blocks_override"):
+        v = args[name]
+        if (v is not None or name == "max_num_seqs") and not (is_int(v) and v > 0):
+            raise ValueError(f"LLM {name} must be a positive integer"
+                             f"{'' if name == 'max_num_seqs' else ' or None'}, got {v!r}")
+    util = args["gpu_memory_utilization"]
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+        raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {util!r}")
