@@ -27,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mrv2' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import SHARED_DATA
 
 STORIES = SHARED_DATA / "stories260K" / "hf-llama"
@@ -16,7 +15,7 @@ def stories_llm(**kw):
 
     if not STORIES.is_dir():
         pytest.skip(f"{STORIES} not present")
-    args = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=8)
+    args = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 128, "max_num_seqs": 8}
     args.update(kw)
     return LLM(model=str(STORIES), **args)
 

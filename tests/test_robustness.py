@@ -13,12 +13,12 @@ import shutil
 
 import numpy as np
 import pytest
-
 from engine_checks import PROMPT, STORIES, assert_nothing_held, stories_llm
+
 from mrv2 import SamplingParams
 from mrv2.sample.logits_processors import LogitsProcessor
 
-GREEDY = dict(temperature=0, max_tokens=4, ignore_eos=True)
+GREEDY = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +45,15 @@ def _refused(llm, clean, field, make, exc=(ValueError, TypeError)):
 # -- 1. accepted by validation, then a crash inside the step (now refused at submit) -------
 
 @pytest.mark.parametrize("field,kwargs", [
-    ("logprobs", dict(logprobs=10**6)),
-    ("prompt_logprobs", dict(prompt_logprobs=10**6)),
-    ("seed", dict(seed=2**70)),
-    ("seed", dict(seed=2**63 - 1, n=2)),
-    ("stop_token_ids", dict(stop_token_ids=[10**6], min_tokens=1)),
-    ("logit_bias", dict(logit_bias={5: "x"})),
-    ("logit_bias", dict(logit_bias=[1, 2])),
-    ("logit_bias", dict(logit_bias={10**6: 1.0})),
-    ("allowed_token_ids", dict(allowed_token_ids=[512])),
+    ("logprobs", {"logprobs": 10**6}),
+    ("prompt_logprobs", {"prompt_logprobs": 10**6}),
+    ("seed", {"seed": 2**70}),
+    ("seed", {"seed": 2**63 - 1, "n": 2}),
+    ("stop_token_ids", {"stop_token_ids": [10**6], "min_tokens": 1}),
+    ("logit_bias", {"logit_bias": {5: "x"}}),
+    ("logit_bias", {"logit_bias": [1, 2]}),
+    ("logit_bias", {"logit_bias": {10**6: 1.0}}),
+    ("allowed_token_ids", {"allowed_token_ids": [512]}),
 ])
 def test_step_crashers_are_refused_before_any_work(llm, clean, field, kwargs):
     _refused(llm, clean, field, lambda: SamplingParams(max_tokens=4, **kwargs))
@@ -61,7 +61,7 @@ def test_step_crashers_are_refused_before_any_work(llm, clean, field, kwargs):
 
 def test_huge_top_k_means_the_whole_vocabulary(llm):
     # As in vLLM, top_k >= vocab is no top_k (no int32 overflow on the device).
-    sp = dict(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    sp = {"temperature": 1.0, "seed": 7, "max_tokens": 5, "ignore_eos": True}
     a = llm.generate([PROMPT], SamplingParams(top_k=2**40, **sp), use_tqdm=False)
     b = llm.generate([PROMPT], SamplingParams(top_k=0, **sp), use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
@@ -77,15 +77,15 @@ def test_largest_seed_that_fits_works(llm):
 # -- 3. NaN / inf ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,kwargs", [
-    ("logit_bias", dict(logit_bias={5: math.nan})),
-    ("logit_bias", dict(logit_bias={5: math.inf})),
-    ("logit_bias", dict(logit_bias={5: -math.inf})),
-    ("temperature", dict(temperature=math.inf)),
-    ("temperature", dict(temperature=math.nan)),
-    ("repetition_penalty", dict(repetition_penalty=math.inf)),
-    ("presence_penalty", dict(presence_penalty=math.nan)),
-    ("top_p", dict(top_p=math.nan)),
-    ("min_p", dict(min_p=math.nan)),
+    ("logit_bias", {"logit_bias": {5: math.nan}}),
+    ("logit_bias", {"logit_bias": {5: math.inf}}),
+    ("logit_bias", {"logit_bias": {5: -math.inf}}),
+    ("temperature", {"temperature": math.inf}),
+    ("temperature", {"temperature": math.nan}),
+    ("repetition_penalty", {"repetition_penalty": math.inf}),
+    ("presence_penalty", {"presence_penalty": math.nan}),
+    ("top_p", {"top_p": math.nan}),
+    ("min_p", {"min_p": math.nan}),
 ])
 def test_non_finite_values_are_refused(field, kwargs):
     with pytest.raises(ValueError, match=field):
@@ -201,18 +201,18 @@ def test_numpy_token_ids_are_accepted_and_bool_refused(llm, clean):
 # -- 7./8. LLM arguments, checked before anything is loaded -----------------------------------
 
 @pytest.mark.parametrize("kwargs,exc,field", [
-    (dict(seed="abc"), TypeError, "seed"),
-    (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
-    (dict(max_model_len=0), ValueError, "max_model_len"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
-    (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
-    (dict(num_gpu_blocks_override=0), ValueError, "num_gpu_blocks_override"),
-    (dict(block_size=3), ValueError, "block_size"),
-    (dict(max_model_len=10**6), ValueError, "max_model_len"),
-    (dict(num_gpu_blocks_override=2, block_size=16, max_model_len=128), ValueError, "KV pool"),
+    ({"seed": "abc"}, TypeError, "seed"),
+    ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens"),
+    ({"max_model_len": 0}, ValueError, "max_model_len"),
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs"),
+    ({"gpu_memory_utilization": 0.0}, ValueError, "gpu_memory_utilization"),
+    ({"num_gpu_blocks_override": 0}, ValueError, "num_gpu_blocks_override"),
+    ({"block_size": 3}, ValueError, "block_size"),
+    ({"max_model_len": 10**6}, ValueError, "max_model_len"),
+    ({"num_gpu_blocks_override": 2, "block_size": 16, "max_model_len": 128}, ValueError, "KV pool"),
 ])
 def test_llm_arguments_fail_before_loading(monkeypatch, kwargs, exc, field):
-    import mrv2.models.loader as loader
+    from mrv2.models import loader
 
     def no_load(*a, **k):
         raise AssertionError("weights were loaded before the arguments were checked")
