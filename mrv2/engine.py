@@ -14,6 +14,11 @@ scheduler plans N+1 with *placeholders* for N's tokens (the runner reads the rea
 ones on the device). A request that stopped at step N was already scheduled in
 N+1: that sample is simply dropped (the request is gone), and its blocks and row
 are freed as usual. Without it, each step is processed right after its launch.
+
+Faults: an error inside a step ends only the request that caused it
+(``finish_reason="error"``), through the containment boundaries of ``mrv2.fault``;
+``abort_requests`` ends requests in any state and frees their blocks and rows at once.
+When nothing is left to run, the rows of the last finished requests are freed too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Seeded, bounded fuzz of the engine API (issue 13).
 
-A few hundred random requests on stories260K, valid and invalid mixed, submitted in a
+Two hundred random requests on stories260K, valid and invalid mixed, submitted in a
 burst and then while others are in flight, with random aborts. Every valid request that
 was not aborted must finish with exactly the tokens of a clean batch run (greedy and
 seeded sampling are batch-invariant); every invalid one must be refused with a
@@ -19,7 +19,7 @@ from engine_checks import assert_nothing_held, stories_llm
 
 from mrv2 import SamplingParams
 
-NUM_REQUESTS = 300
+NUM_REQUESTS = 200
 VOCAB = 512
 
 # (field named by the error, kwargs) refused when SamplingParams is built.
@@ -118,7 +118,7 @@ def _make_cases(rng: random.Random):
 def test_fuzz_valid_complete_invalid_refused_nothing_held(async_scheduling):
     rng = random.Random(1234 + async_scheduling)
     llm = stories_llm(async_scheduling=async_scheduling, max_num_seqs=8,
-                      max_num_batched_tokens=48, num_gpu_blocks_override=10, block_size=16,
+                      max_num_batched_tokens=48, num_gpu_blocks_override=12, block_size=8,
                       max_model_len=64)
     eng = llm.llm_engine
     cases = _make_cases(rng)
@@ -153,7 +153,9 @@ def test_fuzz_valid_complete_invalid_refused_nothing_held(async_scheduling):
         for out in eng.step():
             outputs[out.request_id] = out
     assert_nothing_held(llm)
-    assert refused > 50 and len(aborted) > 3 and llm.scheduler.num_preemptions > 0
+    print(f"\nfuzz: {refused} refused, {len(aborted)} aborted, "
+          f"{llm.scheduler.num_preemptions} preemptions, {llm.engine.num_steps} steps")
+    assert refused > 30 and len(aborted) > 3 and llm.scheduler.num_preemptions > 0
 
     clean_ids = sorted(valid, key=lambda r: int(r[1:]))
     clean = llm.generate([valid[r][0] for r in clean_ids], [valid[r][1] for r in clean_ids],
@@ -167,5 +169,5 @@ def test_fuzz_valid_complete_invalid_refused_nothing_held(async_scheduling):
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], rid
         assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
         checked += 1
-    assert checked > 150
+    assert checked > 100
     assert_nothing_held(llm)
