@@ -63,6 +63,10 @@ class LLM:
         logits_processors: batch-level GPU logits processors
             (``mrv2.sample.logits_processors``): instances, or factories called as
             ``factory(max_num_seqs, device)``.
+
+    Every argument is checked before anything is loaded (the sizes against the model's
+    ``config.json`` alone). ``llm.llm_engine`` is the ``LLMEngine`` (``mrv2.engine_api``):
+    ``add_request`` / ``step`` / ``abort_request``, which ``generate`` is built on.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,

@@ -114,13 +114,14 @@ class SamplingParams:
         allowed_token_ids: if set, only these tokens may be generated.
         skip_special_tokens: drop special tokens when detokenizing.
 
-    Fully masked logits: vLLM does not check for them; its sampler then picks an arbitrary
-    id (in practice 0), possibly outside ``allowed_token_ids``. mrv2 refuses at submit the
+    Fully masked logits: as far as we know vLLM does not check for them (its sampler then
+    returns some id, possibly outside ``allowed_token_ids``). mrv2 refuses at submit the
     masks it can see (``allowed_token_ids`` all banned by ``min_tokens``); for masks it
     cannot see (logits processors) the engine finishes a request with
     ``allowed_token_ids`` whose sampled id falls outside the set with ``finish_reason
     "error"`` (a CPU check on the host output, no sync); without ``allowed_token_ids``
-    the token of an all ``-inf`` row is undefined (Gumbel-max over ``-inf``: id 0).
+    the token of an all ``-inf`` row is undefined (observed: id 0, the argmax of a row of
+    equal values).
     """
 
     n: int = 1
