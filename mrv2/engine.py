@@ -131,11 +131,15 @@ class Engine(FaultContainment):
             launched = self._launch(sched)
             self.num_steps += launched is not None and not sched.is_empty
         if not self.async_scheduling:
-            previous = launched
+            to_process = [launched]
+        elif launched is not None and launched[0].is_empty:
+            # NOTE: a step that only freed rows has no output to wait for: keep none pending.
+            to_process, self._pending = [self._pending, launched], None
         else:
-            previous, self._pending = self._pending, launched
-        if previous is not None:
-            finished += self._process_safe(*previous)
+            to_process, self._pending = [self._pending], launched
+        for item in to_process:
+            if item is not None:
+                finished += self._process_safe(*item)
         if not self.has_unfinished():
             self._free_rows_now()  # nothing left to run: no row stays held
         if self._timeline is not None:

@@ -309,3 +309,28 @@ def test_cli_refuses_bad_arguments_before_loading(monkeypatch, capsys, argv, nee
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert needle in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ctrl_c_inside_the_runner_step_leaves_a_consistent_engine(async_scheduling):
+    llm = stories_llm(async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    many = [{"prompt_token_ids": [1, 403 + i, 407]} for i in range(4)]
+    want = llm.generate(many, SamplingParams(**GREEDY), use_tqdm=False)
+    real, calls = llm.runner.execute_model, []
+
+    def interrupted(sched):
+        calls.append(1)
+        if len(calls) == 3:  # mid-flight: some prefills done, one step in flight (async)
+            raise KeyboardInterrupt
+        return real(sched)
+
+    llm.runner.execute_model = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(many, SamplingParams(**GREEDY), use_tqdm=False)
+    finally:
+        llm.runner.execute_model = real
+    assert_nothing_held(llm)
+    again = llm.generate(many, SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+    assert_nothing_held(llm)
