@@ -123,9 +123,9 @@ def weight_files(path: Path) -> list[Path]:
         root = path.resolve()
         files = []
         for s in shards:
-            f = (path / s).resolve()
             # NOTE: a shard name like "../x" or "/etc/x" would read outside the model folder.
-            if not isinstance(s, str) or Path(s).is_absolute() or not f.is_relative_to(root):
+            if (not isinstance(s, str) or Path(s).is_absolute()
+                    or not (path / s).resolve().is_relative_to(root)):
                 raise ValueError(f"{index.name} names shard {s!r}, outside the model folder {path}")
             files.append(path / s)
         for f in files:
