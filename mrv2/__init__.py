@@ -26,6 +26,7 @@ _LAZY = {
     "SamplingParams": "mrv2.sampling_params",
     "RequestOutput": "mrv2.outputs",
     "CompletionOutput": "mrv2.outputs",
+    "LLMEngine": "mrv2.engine_api",
 }
 
 
@@ -38,4 +39,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'mrv2' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]

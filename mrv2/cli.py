@@ -75,15 +75,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             ``mrv2.bench.cli``, which imports the benchmark suite: only when needed).
     """
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m mrv2",
+    # NOTE: allow_abbrev=False: "--max-token 8" must be an error, not --max-tokens.
+    parser = argparse.ArgumentParser(prog="python -m mrv2", allow_abbrev=False,
                                      description="mrv2: vLLM's Model Runner V2, rebuilt to be "
                                                  "read. Generate text or run benchmarks.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="generate text with LLM.generate (or LLM.chat)",
+                         allow_abbrev=False,
                          description="Generate text with LLM.generate on the embedded model "
                                      "or --model.")
     add_generate_arguments(gen)
     bench = sub.add_parser("bench", help="throughput / latency benchmarks (JSON + table)",
+                           allow_abbrev=False,
                            description="Benchmark mrv2 V2, the V1 baseline and transformers.")
     if argv[:1] == ["bench"]:
         from mrv2.bench.cli import add_arguments
@@ -106,7 +109,22 @@ def sampling_params_from_args(args):
         truncate_prompt_tokens=args.truncate_prompt_tokens)
 
 
+def _check_engine_args(args) -> None:
+    """The engine limits, checked before the model loads (a ValueError naming the flag)."""
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+        v = getattr(args, name, None)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+    util = getattr(args, "gpu_memory_utilization", None)
+    if util is not None and not 0.0 < util <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+
+
 def _prompts(args) -> list:
+    if args.token_ids and not args.prompt:
+        raise ValueError("--token-ids needs --prompt with comma-separated token ids, "
+                         "e.g. --prompt 1,403,407")
     prompts = args.prompt or ["ROMEO:"]
     if args.token_ids:
         try:
@@ -120,6 +138,7 @@ def _prompts(args) -> list:
 def run_generate(args) -> int:
     """``python -m mrv2 generate``: print each completion, labelled by prompt index."""
     params = sampling_params_from_args(args)  # bad values fail before the model loads
+    _check_engine_args(args)
     prompts = _prompts(args)
     if args.chat and args.token_ids:
         raise ValueError("--chat needs text prompts (not --token-ids)")

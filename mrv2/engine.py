@@ -14,12 +14,19 @@ scheduler plans N+1 with *placeholders* for N's tokens (the runner reads the rea
 ones on the device). A request that stopped at step N was already scheduled in
 N+1: that sample is simply dropped (the request is gone), and its blocks and row
 are freed as usual. Without it, each step is processed right after its launch.
+
+Faults: an error inside a step ends only the request that caused it
+(``finish_reason="error"``), through the containment boundaries of ``mrv2.fault``;
+``abort_requests`` ends requests in any state and frees their blocks and rows at once.
+When nothing is left to run, the rows of the last finished requests are freed too.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 
+from mrv2.fault import FaultContainment
 from mrv2.metrics import now
 from mrv2.request import Request
 from mrv2.runner_interface import RunnerInterface
@@ -44,7 +51,7 @@ class StepCallback:
         """The ``StepOutput`` of launch ``step`` arrived; the requests are not updated yet."""
 
 
-class Engine:
+class Engine(FaultContainment):
     """Drives the scheduler and a runner (V2 by default).
 
     Args:
@@ -71,6 +78,10 @@ class Engine:
         self.callbacks: list[StepCallback] = []
         # Acceptance counts of speculative decoding (``None`` without it).
         self.spec_stats = runner.spec_decode_stats
+        self.updated: list[Request] = []    # requests that got a token in the last step
+        self._failed: list[Request] = []    # requests finished with "error" in the last step
+        self._unapplied: set[str] = set()   # sampling requests of the output being applied
+        self._suspects: deque[str] = deque()  # requests to run solo after a failed step
         self._timeline = None
 
     @property
@@ -92,12 +103,47 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None
 
+    def abort_requests(self, req_ids) -> list[Request]:
+        """Finish ``req_ids`` with ``"abort"`` in any state; blocks and rows are freed now.
+
+        Unknown (or already finished) ids are ignored, as in vLLM.
+
+        Returns:
+            The requests aborted.
+        """
+        aborted = []
+        for req_id in req_ids:
+            req = self.scheduler.requests.get(req_id)
+            if req is not None:
+                self.scheduler.finish_request(req_id, "abort")
+                aborted.append(req)
+        if self._pending is not None and not self.scheduler.has_unfinished():
+            # Only aborted requests are in flight: wait for that step and drop its tokens.
+            pending, self._pending = self._pending, None
+            self._process_safe(*pending)
+        self._free_rows_now()
+        return aborted
+
+    def _free_rows_now(self) -> None:
+        """Free the state rows of finished requests now, with a finished-only runner call.
+
+        NOTE: safe with a step in flight: the rows' device contents are only overwritten
+        by a later owner's staged write, queued after that step on the same stream.
+        """
+        ids = self.scheduler.take_freed_ids()
+        if ids:
+            self.runner.execute_model(SchedulerOutput(finished_req_ids=ids))
+
     def step(self) -> list[Request]:
         """Run one step: launch the next one, process the oldest unprocessed one.
 
         Returns:
-            The requests that finished in this call.
+            The requests that finished in this call (``finish_reason`` ``"error"`` for a
+            request whose step failed; see ``mrv2.fault``). ``self.updated`` lists every
+            request that got a token.
         """
+        self.updated, self._failed = [], []
+        finished = self._isolate_suspects() if self._suspects else []
         with self._cpu("schedule"):
             sched = self.scheduler.schedule()
         if (sched.is_empty and not sched.finished_req_ids and self._pending is None
@@ -105,23 +151,30 @@ class Engine:
             raise RuntimeError("scheduler made no progress: a request cannot fit the KV pool")
         launched = None
         if not sched.is_empty or sched.finished_req_ids:
-            launched = (self._num_launches, sched, self.runner.execute_model(sched))
-            self._num_launches += 1
-            self.num_steps += not sched.is_empty
-            for cb in self.callbacks:
-                cb.on_launch(*launched[:2])
-            # sync_accepted_counts (benchmark only): the runner synced; use exact counts now.
-            correct_bounds_now(self.scheduler, sched, launched[2])
+            launched = self._launch(sched)  # (launch, sched, output); None: it failed
+            self.num_steps += launched is not None and not sched.is_empty
+            if launched is not None:
+                for cb in self.callbacks:
+                    cb.on_launch(*launched[:2])
+                # sync_accepted_counts (benchmark only): the runner synced; use exact counts.
+                correct_bounds_now(self.scheduler, sched, launched[2])
         if not self.async_scheduling:
-            finished = self._process(*launched) if launched is not None else []
+            to_process = [launched]
+        elif launched is not None and launched[1].is_empty:
+            # NOTE: a step that only freed rows has no output to wait for: keep none pending.
+            to_process, self._pending = [self._pending, launched], None
         else:
-            previous, self._pending = self._pending, launched
-            finished = self._process(*previous) if previous is not None else []
+            to_process, self._pending = [self._pending], launched
+        for item in to_process:
+            if item is not None:
+                finished += self._process_safe(*item)
+        if not self.has_unfinished():
+            self._free_rows_now()  # nothing left to run: no row stays held
         if self._timeline is not None:
             # NOTE: one timeline step = one call; with async scheduling its wait/output
             # spans process the launch of the call before.
             self._timeline.next_step()
-        return finished
+        return finished + [r for r in self._failed if r not in finished]
 
     def _process(self, launch: int, sched: SchedulerOutput, output) -> list[Request]:
         """Wait for one step's output (its event only) and apply it to the requests."""
@@ -136,15 +189,18 @@ class Engine:
         finished = []
         detok = self._detok_token if self.tokenizer is not None else None
         t = now()
+        self._unapplied = set(sched.sampling_req_ids)
         for req_id, tensors in out.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             if req is not None:
-                req.prompt_logprobs = prompt_logprobs_to_output(
-                    *tensors, req.sampling_params.prompt_logprobs, detok)
+                with self._contained(req, "building its prompt logprobs"):
+                    req.prompt_logprobs = prompt_logprobs_to_output(
+                        *tensors, req.sampling_params.prompt_logprobs, detok)
         spec = out.num_draft_tokens is not None  # speculative decoding: a run per request
         for i, (req_id, run) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             if req_id not in sched.sampling_req_ids:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
+            self._unapplied.discard(req_id)
             req = self.scheduler.requests.get(req_id)
             if req is None:
                 continue  # it finished while this step was in flight: drop the extra sample
@@ -157,20 +213,26 @@ class Engine:
             req.last_token_time = t
             if req.first_token_time is None:
                 req.first_token_time = t
-            # Tokens in order, stop conditions after each: a finish inside an accepted run
-            # returns nothing after it.
-            for j, token in enumerate(tokens):
-                req.output_token_ids.append(token)
-                if req.logprobs is not None:
-                    # sampled id first, then top-k
-                    ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
-                    k = req.sampling_params.logprobs
-                    req.logprobs.append(make_logprob_dict(ids, lps, rank,
-                                                          len(ids) - 1 if k == -1 else k, detok))
-                    req.cumulative_logprob += lps[0]
-                if self._check_stop(req, token):
-                    finished.append(req)
-                    break
+            with self._contained(req, "processing its output"):
+                # Tokens in order, stop conditions after each: a finish inside an accepted
+                # run returns nothing after it.
+                for j, token in enumerate(tokens):
+                    if req.allowed_set is not None and token not in req.allowed_set:
+                        # NOTE: every allowed token was masked (e.g. by a logits processor).
+                        raise ValueError(f"sampled token {token} is outside "
+                                         "allowed_token_ids: every allowed token was masked")
+                    req.output_token_ids.append(token)
+                    if req.logprobs is not None:
+                        # sampled id first, then top-k
+                        ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
+                        k = req.sampling_params.logprobs
+                        req.logprobs.append(make_logprob_dict(
+                            ids, lps, rank, len(ids) - 1 if k == -1 else k, detok))
+                        req.cumulative_logprob += lps[0]
+                    if self._check_stop(req, token):
+                        finished.append(req)
+                        break
+                self.updated.append(req)
         return finished
 
     def _detok_token(self, token_id: int) -> str:

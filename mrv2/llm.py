@@ -8,7 +8,6 @@ and returns one ``RequestOutput`` per prompt, in input order.
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections.abc import Sequence
 
@@ -18,13 +17,12 @@ from tqdm.auto import tqdm
 from mrv2 import platform
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.engine import Engine
-from mrv2.inputs import check_unsupported_args, normalize_prompts, truncate_prompt
+from mrv2.engine_api import LLMEngine
+from mrv2.inputs import check_unsupported_args, normalize_prompts
 from mrv2.kv_cache import KVCacheManager, cdiv
 from mrv2.model_state import ModelState
-from mrv2.metrics import group_metrics, now
-from mrv2.outputs import CompletionOutput, RequestOutput
-from mrv2.request import Request
-from mrv2.sampling_params import SamplingParams
+from mrv2.outputs import RequestOutput
+from mrv2.sampling_params import ParamLimits, SamplingParams
 from mrv2.scheduler import Scheduler
 
 # vLLM engine arguments that mean nothing for a single-device offline runner.
@@ -51,9 +49,6 @@ class LLM:
         block_size: tokens per KV block.
         num_gpu_blocks_override: KV blocks in the pool (default: sized from memory).
         gpu_memory_utilization: fraction of GPU memory to use (model + KV cache).
-        kv_cache_memory_bytes: bytes for the KV pool (vLLM's name; overrides
-            ``gpu_memory_utilization``). On the CPU the default is a small budget
-            (``mrv2/cpu_defaults.py``; ``VLLM_CPU_KVCACHE_SPACE`` in GiB also works).
         enforce_eager: never use CUDA graphs (same as ``cudagraph_mode="NONE"``).
         cudagraph_mode: vLLM's names: ``"FULL"`` (decode steps and small prefill / mixed
             steps replay whole-forward graphs; the default), ``"FULL_DECODE_ONLY"``
@@ -66,16 +61,23 @@ class LLM:
             outputs one step behind (``None``: on for the V2 runner on a GPU, off otherwise).
         model_state_cls: a ``mrv2.model_state.ModelState`` subclass holding the
             model-specific logic (V2 runner only; default ``ModelState``).
+        logits_processors: batch-level GPU logits processors
+            (``mrv2.sample.logits_processors``): instances, or factories called as
+            ``factory(max_num_seqs, device)``.
+        kv_cache_memory_bytes: bytes for the KV pool (vLLM's name; overrides
+            ``gpu_memory_utilization``). On the CPU the default is a small budget
+            (``mrv2/cpu_defaults.py``; ``VLLM_CPU_KVCACHE_SPACE`` in GiB also works).
         enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before
             (hash chain over full blocks, ``mrv2/kv_cache.py``); on by default, as in vLLM
             V1. Requests asking for ``prompt_logprobs`` skip the lookup (a cached prefix
             has no hidden states to score) but still fill the cache.
-        logits_processors: batch-level GPU logits processors
-            (``mrv2.sample.logits_processors``): instances, or factories called as
-            ``factory(max_num_seqs, device)``.
         speculative_config: vLLM's dict, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
             (V2 runner only; ``mrv2/spec_decode/``). ``None``: no speculative decoding.
+
+    Every argument is checked before anything is loaded (the sizes against the model's
+    ``config.json`` alone). ``llm.llm_engine`` is the ``LLMEngine`` (``mrv2.engine_api``):
+    ``add_request`` / ``step`` / ``abort_request``, which ``generate`` is built on.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -88,8 +90,7 @@ class LLM:
                  async_scheduling: bool | None = None, model_state_cls=None,
                  cudagraph_mode: str | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_bytes: int | None = None,
-                 speculative_config: dict | None = None,
-                 **kwargs):
+                 speculative_config: dict | None = None, **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -103,6 +104,10 @@ class LLM:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, "
                              f"got {kv_cache_memory_bytes!r}")
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        _check_args(seed=seed, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                    num_gpu_blocks_override=num_gpu_blocks_override,
+                    gpu_memory_utilization=gpu_memory_utilization)
         runner = _pick_runner(runner)
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
@@ -118,20 +123,15 @@ class LLM:
         # NOTE: what the runner will really do: on the CPU there are no graphs at all.
         self.cudagraph_mode = "NONE" if enforce_eager or not platform.HAS_CUDA else cudagraph_mode
         self.runner_name, self.async_scheduling = runner, bool(async_scheduling)
+        from transformers import AutoConfig
+
         from mrv2.models.loader import load_model, resolve_model_path
 
         self.dtype = platform.resolve_dtype(dtype)
         self.device = platform.DEVICE
         self.model_path = resolve_model_path(model)
-        torch.manual_seed(seed)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
-                                                load_format=load_format, seed=seed)
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
-        if not platform.HAS_CUDA:
-            from mrv2.cpu_defaults import apply_cpu_threads
-
-            apply_cpu_threads(self.model)  # tiny ops: fewer threads are faster
-
+        # Every size check runs on the config alone, before any weight is read.
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         max_model_len = max_model_len or max_pos
         if max_model_len > max_pos:
@@ -142,13 +142,19 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens or max(8192, max_num_seqs))
         self.cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks_override,
                                         gpu_memory_utilization=gpu_memory_utilization)
+        self._check_pool(self.cache_config.num_gpu_blocks or self._auto_num_blocks())
+        torch.manual_seed(seed)
+        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                load_format=load_format, seed=seed,
+                                                hf_config=self.hf_config)
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
+        if not platform.HAS_CUDA:
+            from mrv2.cpu_defaults import apply_cpu_threads
+
+            apply_cpu_threads(self.model)  # tiny ops: fewer threads are faster
+        # NOTE: on a GPU the weights now use memory: size the pool again, exactly.
         num_blocks = self.cache_config.num_gpu_blocks or self._auto_num_blocks()
-        if num_blocks * block_size < max_model_len:
-            # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
-            raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
-                             f"{num_blocks * block_size} tokens, fewer than max_model_len="
-                             f"{max_model_len}: raise kv_cache_memory_bytes or "
-                             "num_gpu_blocks_override, or lower max_model_len")
+        self._check_pool(num_blocks)
 
         if runner == "v2":
             from mrv2.runner import ModelRunner
@@ -173,9 +179,47 @@ class LLM:
             if spec_config is not None and spec_config.method == "draft_model" else 0)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
-        self.eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
-        self._rng = random.Random(seed)
+        self._eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.llm_engine = LLMEngine(self.engine, self._param_limits(), max_model_len,
+                                    self.tokenizer, self._validate_params, seed=seed)
         self._counter = 0
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request unless ``ignore_eos`` (settable: the limits follow)."""
+        return set(self._eos_token_ids)
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self._eos_token_ids = set(ids)
+        self.llm_engine.limits = self._param_limits()
+
+    def _check_pool(self, num_blocks: int) -> None:
+        block_size, max_model_len = self.cache_config.block_size, self.scheduler_config.max_model_len
+        if num_blocks * block_size < max_model_len:
+            # NOTE: a pool smaller than one full sequence would preempt that sequence forever.
+            raise ValueError(f"the KV pool holds {num_blocks} blocks x {block_size} = "
+                             f"{num_blocks * block_size} tokens, fewer than max_model_len="
+                             f"{max_model_len}: raise num_gpu_blocks_override (or "
+                             "gpu_memory_utilization) or lower max_model_len")
+
+    def _param_limits(self) -> ParamLimits:
+        """What requests may ask for (model-level limits; the runner's own capacities are
+        checked by its ``validate_params``, see ``_validate_params``)."""
+        vocab = self.hf_config.vocab_size
+        return ParamLimits(vocab_size=vocab, max_logprobs=vocab, max_logit_bias=None,
+                           max_stop_ids=None, eos_token_ids=frozenset(self._eos_token_ids),
+                           has_tokenizer=self.tokenizer is not None)
+
+    def _validate_params(self, sp: SamplingParams) -> None:
+        """The runner's per-row capacities and unsupported features (the V1 baseline has
+        fewer); bad_words are tokenized here, once."""
+        if sp.bad_words:
+            from mrv2.sample.bad_words import bad_words_token_ids
+
+            sp.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words,
+                                                         self.hf_config.vocab_size)
+        self.runner.validate_params(sp, 0 if sp.ignore_eos else len(self._eos_token_ids))
 
     # -- set-up -----------------------------------------------------------------
 
@@ -248,6 +292,10 @@ class LLM:
                  prompt_token_ids=None) -> list[RequestOutput]:
         """Generate completions for ``prompts``.
 
+        Every prompt and ``SamplingParams`` is validated before anything is submitted. On
+        any exception (``KeyboardInterrupt`` included) the call aborts its own requests,
+        which frees their blocks and rows, so the ``LLM`` stays usable.
+
         Args:
             prompts: a string, a ``TextPrompt`` / ``TokensPrompt`` dict (``mrv2.inputs``),
                 or a list of them.
@@ -258,7 +306,8 @@ class LLM:
             priority: ``None`` or zeros (first-come-first-served).
 
         Returns:
-            One ``RequestOutput`` per prompt, in input order.
+            One ``RequestOutput`` per prompt, in input order (a completion whose step
+            failed has ``finish_reason="error"`` and the message in ``stop_reason``).
         """
         prompts = normalize_prompts(prompts, prompt_token_ids)
         check_unsupported_args(len(prompts), lora_request, priority)
@@ -268,110 +317,44 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         # Validate everything before submitting anything: a bad prompt loses no other request.
+        eng = self.llm_engine
         for sp in params:
-            self._check_params(sp)
-        parsed = [self._parse_prompt(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)]
-        groups: list[list[Request]] = []
-        for (text, ids), sp in zip(parsed, params):
-            request_id = str(self._counter)  # one id per prompt, as vLLM: contiguous with n > 1
-            self._counter += 1
-            groups.append([self._make_request(request_id, text, ids, sp, i) for i in range(sp.n)])
-        for group in groups:
-            for req in group:
-                self.engine.add_request(req)
-        self._run(len(groups), groups, use_tqdm)
-        return [self._to_output(g) for g in groups]
+            eng.check_params(sp)
+        parsed = [eng.parse_prompt(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)]
+        ids = []
+        try:
+            for p, sp in zip(parsed, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                eng._submit(ids[-1], p, sp)
+            self._run(ids, use_tqdm)
+            return [eng.get_output(rid) for rid in ids]
+        except BaseException:
+            eng.abort_request(ids)  # NOTE: incl. KeyboardInterrupt: no stale request remains
+            raise
+        finally:
+            for rid in ids:
+                eng.pop(rid)
 
-    def _parse_prompt(self, prompt, truncate: int | None = None) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True "
-                                 "pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self._parse_prompt(prompt["prompt"], truncate)
-        else:
-            raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
-        ids = truncate_prompt(ids, truncate, self.scheduler_config.max_model_len)
-        vocab = self.hf_config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        max_len = self.scheduler_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens long, but max_model_len is {max_len}: "
-                             "it must be shorter to leave room for one generated token")
-        # (The pool holds at least max_model_len tokens, checked in __init__: the prompt fits.)
-        return text, ids
-
-    def _check_params(self, sp: SamplingParams) -> None:
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        vocab = self.hf_config.vocab_size
-        for name, ids in (("logit_bias", sp.logit_bias or ()),
-                          ("allowed_token_ids", sp.allowed_token_ids or ())):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"SamplingParams.{name} holds a token id >= vocab size {vocab}")
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        if sp.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("SamplingParams.bad_words needs a tokenizer "
-                                 "(skip_tokenizer_init=True)")
-            from mrv2.sample.bad_words import bad_words_token_ids
-
-            sp.bad_words_token_ids = bad_words_token_ids(self.tokenizer, sp.bad_words, vocab)
-        # Capacity limits and unsupported features (the V1 baseline supports fewer).
-        self.runner.validate_params(sp, len(self.eos_token_ids))
-
-    def _make_request(self, request_id: str, text, ids, sp: SamplingParams,
-                      index: int) -> Request:
-        sp = sp.clone()
-        user_seeded = sp.seed is not None
-        if sp.seed is None:
-            sp.seed = self._rng.getrandbits(63)  # one seeded path serves every request
-        elif index:
-            sp.seed += index  # the n completions of a seeded prompt differ, reproducibly
-        sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-        # NOTE: the engine's id of each of the n requests is unique; the output's is the prompt's.
-        req = Request(request_id if sp.n == 1 else f"{index}_{request_id}", ids, sp,
-                      arrival=int(request_id), prompt=text, index=index, user_seeded=user_seeded,
-                      parent_request_id=request_id, arrival_time=now())
-        return req
-
-    def _run(self, num_prompts: int, groups, use_tqdm: bool) -> None:
-        bar = tqdm(total=num_prompts, desc="Processed prompts", disable=not use_tqdm,
+    def _run(self, ids: list[str], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        left = {id(g): len(g) for g in groups}
-        owner = {r.request_id: id(g) for g in groups for r in g}
+        eng = self.llm_engine
+        left = set(ids)
         out_tokens = 0
         try:
-            while self.engine.has_unfinished():
-                for req in self.engine.step():
-                    out_tokens += len(req.output_token_ids)
-                    left[owner[req.request_id]] -= 1
-                    if left[owner[req.request_id]] == 0:
+            while left and eng.engine.has_unfinished():
+                for rid in eng._step_finished():
+                    if rid in left:
+                        left.discard(rid)
+                        out_tokens += sum(len(c.output_token_ids) for c in eng._groups[rid])
                         bar.update(1)
                         elapsed = bar.format_dict.get("elapsed") or 1e-9
                         bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} tok/s", refresh=False)
+            if left:
+                raise RuntimeError(f"the engine stopped with {len(left)} request(s) unfinished")
         finally:
             bar.close()
-
-    def _to_output(self, group: list[Request]) -> RequestOutput:
-        first = group[0]
-        outs = [CompletionOutput(index=r.index, text=r.output_text, token_ids=list(r.output_token_ids),
-                                 cumulative_logprob=r.cumulative_logprob, logprobs=r.logprobs,
-                                 finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-                for r in group]
-        return RequestOutput(request_id=first.parent_request_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids,
-                             prompt_logprobs=first.prompt_logprobs,
-                             outputs=outs, finished=all(r.is_finished for r in group),
-                             num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=group_metrics(group, self.runner.spec_decode_stats))
 
 
 def _spec_config(speculative_config, runner: str, logits_processors):
@@ -392,6 +375,7 @@ def _spec_config(speculative_config, runner: str, logits_processors):
         raise ValueError("speculative_config['verification']='probabilistic' is not wired "
                          "into the runner yet; use 'exact' (the default)")
     return config
+
 
 
 def _pick_runner(runner: str | None) -> str:
@@ -435,3 +419,21 @@ def _eos_ids(model_path, hf_config, tokenizer) -> set[int]:
         warnings.warn("no EOS token id found: requests stop only on length or stop ids")
         return set()
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+def _check_args(**args) -> None:
+    """``LLM``'s own numeric arguments, checked before anything is loaded."""
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(args["seed"]):
+        raise TypeError(f"LLM seed must be an integer, got {args['seed']!r}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "num_gpu_blocks_override"):
+        v = args[name]
+        if (v is not None or name == "max_num_seqs") and not (is_int(v) and v > 0):
+            raise ValueError(f"LLM {name} must be a positive integer"
+                             f"{'' if name == 'max_num_seqs' else ' or None'}, got {v!r}")
+    util = args["gpu_memory_utilization"]
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
+        raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {util!r}")

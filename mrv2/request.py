@@ -60,6 +60,10 @@ class Request:
         self.num_spec_placeholders = 0
         # Its own acceptance counts (``SpecDecodeStats``), once it has speculated.
         self.spec_stats = None
+        # Fault containment (mrv2/fault.py, mrv2/engine_api.py): the allowed ids as a set
+        # (checked on the host output), and the failed steps this request was part of.
+        self.allowed_set: set[int] | None = None
+        self.num_faults = 0
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None

@@ -135,6 +135,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to waiting, to be recomputed (a failed step's reset)."""
+        self._preempt(req, SchedulerOutput())
+
+    def requeue_freed(self, req_ids) -> None:
+        """Free these rows at the next step again (a step that failed before freeing them)."""
+        self._freed_ids |= set(req_ids)
+
+    def take_freed_ids(self) -> set[str]:
+        """The rows to free, taken now (abort frees them at once, not at the next step)."""
+        ids, self._freed_ids = self._freed_ids, set()
+        return ids
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.cache_blocks(req, req.num_computed_tokens)  # its blocks may be hit again

@@ -9,6 +9,7 @@ mrv2 never unpickles a checkpoint. See notebooks/01_qwen3_and_paged_kv.ipynb.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -115,8 +116,18 @@ def weight_files(path: Path) -> list[Path]:
     """
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards]
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid shard index ({e})") from None
+        root = path.resolve()
+        files = []
+        for s in shards:
+            # NOTE: a shard name like "../x" or "/etc/x" would read outside the model folder.
+            if (not isinstance(s, str) or Path(s).is_absolute()
+                    or not (path / s).resolve().is_relative_to(root)):
+                raise ValueError(f"{index.name} names shard {s!r}, outside the model folder {path}")
+            files.append(path / s)
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"{index.name} names shard {f.name}, absent from {path}")
@@ -148,18 +159,36 @@ def _ignored(name: str, tied: bool) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
+@contextlib.contextmanager
+def _open_safetensors(f: Path):
+    """``safe_open(f)``, with any error of a corrupt, truncated or empty file naming ``f``."""
+    from safetensors import safe_open
+
+    try:
+        sf = safe_open(f, framework="pt")
+    except Exception as e:  # noqa: BLE001 (SafetensorError, OSError): the header cannot be read
+        raise ValueError(f"cannot read safetensors file {f} (corrupt, truncated or empty?): "
+                         f"{e}") from None
+    with sf:
+        try:
+            yield sf
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a tensor's bytes cannot be read)
+            raise ValueError(f"cannot read a tensor from safetensors file {f} (corrupt or "
+                             f"truncated?): {e}") from None
+
+
 def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
     """Check every tensor's name and shape first (headers only), then copy them in.
 
     Raises:
         ValueError: a missing tensor, an unexpected tensor or a shape mismatch, named.
     """
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        with _open_safetensors(f) as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _ignored(name, tied):
                     continue
@@ -180,7 +209,7 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
         raise ValueError(f"checkpoint is missing tensor(s) {', '.join(missing[:8])}{more}")
     with torch.no_grad():
         for f in files:
-            with safe_open(f, framework="pt") as sf:
+            with _open_safetensors(f) as sf:
                 for name in sf.keys():  # noqa: SIM118
                     if name in where:
                         params[name].copy_(sf.get_tensor(name))  # casts to dtype/device
