@@ -218,8 +218,9 @@ class SamplingParams:
         if self.bad_words is not None and (
                 isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple))
                 or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            wrong_type = not isinstance(self.bad_words, (list, tuple, str))
             _bad("bad_words", "must be a list of non-empty strings", self.bad_words,
-                 TypeError if not isinstance(self.bad_words, (list, tuple)) else ValueError)
+                 TypeError if wrong_type else ValueError)
         self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens,
                                            lo=-1, allow_none=True)
         if self.truncate_prompt_tokens == 0:

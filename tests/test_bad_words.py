@@ -23,10 +23,10 @@ def test_reference_on_hand_made_cases():
     assert bad_words_banned_ref([3, 4], [[3, 4, 5]]) == {5}
 
 
-def _setup(rng, num_rows, vocab, max_len, outputs, words):
+def _setup(rng, num_rows, vocab, max_len, outputs, words, device="cpu"):
     """A state table whose rows hold random prompts + ``outputs``, and a BadWordsState."""
-    state = RequestStateTable(num_rows, max_len, "cpu")
-    bad = BadWordsState(num_rows, "cpu", max_words=6, max_word_len=4)
+    state = RequestStateTable(num_rows, max_len, device)
+    bad = BadWordsState(num_rows, device, max_words=6, max_word_len=4)
     for r, (out, seqs) in enumerate(zip(outputs, words)):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
         state.add_request(f"r{r}", prompt + out, len(prompt))
@@ -164,16 +164,13 @@ def test_gpu_bad_words_never_sync_and_match_reference_bf16():
             assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids)))
     # The kernel on bf16 logits on the device equals the reference.
     rng = random.Random(3)
-    state, bad = _setup(rng, 4, 64, 32, [[1, 2], [], [3], [2, 2, 2]],
-                        [[[2, 7]], [[9]], [[3, 63]], [[2, 2, 5], [1, 4]]])
-    state_gpu = RequestStateTable(4, 32, "cuda")
-    bad_gpu = BadWordsState(4, "cuda", max_words=6, max_word_len=4)
-    for name in ("token_ids", "prompt_len", "total_len"):
-        getattr(state_gpu, name).copy_(getattr(state, name))
-    for name in ("num_words", "word_lens", "words"):
-        getattr(bad_gpu, name).copy_(getattr(bad, name))
+    outputs = [[1, 2], [], [3], [2, 2, 2]]
+    words = [[[2, 7]], [[9]], [[3, 63]], [[2, 2, 5], [1, 4]]]
+    state_gpu, bad_gpu = _setup(rng, 4, 64, 32, outputs, words, device="cuda")
     logits = torch.randn(4, 64).bfloat16()
-    idx = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
-    expected = bad.apply(logits.float(), idx, state)
+    order = [3, 1, 0, 2]
+    idx = torch.tensor(order, dtype=torch.int32)
+    expected = apply_bad_words_ref(logits.float(), [outputs[r] for r in order],
+                                   [words[r] for r in order])
     got = bad_gpu.apply(logits.cuda(), idx.cuda(), state_gpu).float().cpu()
     torch.testing.assert_close(got, expected.bfloat16().float())
