@@ -39,3 +39,15 @@ def on_device(fn):
         return back(res, pairs)
 
     return wrapped
+
+
+def assert_finished_cleanly(outputs) -> None:
+    """Every completion ended by a stop condition, none by ``finish_reason="error"``.
+
+    NOTE: the engine contains faults (``mrv2/fault.py``): an error inside a step, e.g. the
+    RuntimeError of ``torch.cuda.set_sync_debug_mode("error")``, finishes the requests with
+    ``"error"`` instead of raising. A sync-debug proof must look at the finish reasons.
+    """
+    bad = [(o.request_id, c.finish_reason, c.stop_reason) for o in outputs for c in o.outputs
+           if c.finish_reason not in ("stop", "length")]
+    assert not bad, f"requests did not finish cleanly: {bad[:3]}"

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from device_utils import assert_finished_cleanly
 
 from mrv2 import LLM, SamplingParams
 from mrv2.sample.bad_words import (
@@ -158,6 +159,7 @@ def test_gpu_bad_words_never_sync_and_match_reference_bf16():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(o.finished for o in outs)
+    assert_finished_cleanly(outs)
     for o, sp in zip(outs, params):
         for seq in sp.bad_words_token_ids or []:
             ids = o.outputs[0].token_ids

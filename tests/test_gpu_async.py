@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from device_utils import assert_finished_cleanly
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +62,7 @@ def test_v2_loop_runs_under_sync_debug_error():
         torch.cuda.set_sync_debug_mode(0)
     assert llm.scheduler.num_preemptions > 0
     assert all(o.finished for o in outs)
+    assert_finished_cleanly(outs)
     # The detector is live: a .tolist() of a device tensor does raise.
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from device_utils import assert_finished_cleanly
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +62,7 @@ def test_speculating_loop_runs_under_sync_debug_error(mode, method):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(o.finished for o in outs)
+    assert_finished_cleanly(outs)
     assert llm.runner.spec.stats.num_accepted_tokens > 0
     assert llm.scheduler.num_preemptions > 0
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
@@ -90,7 +92,9 @@ def test_sync_accepted_counts_costs_a_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with pytest.raises(RuntimeError):
-            llm.generate(_inputs(2), _params(2), use_tqdm=False)
+        # NOTE: the engine contains the sync error (mrv2/fault.py): the requests end with it.
+        outs = llm.generate(_inputs(2), _params(2), use_tqdm=False)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    reasons = [(c.finish_reason, str(c.stop_reason)) for o in outs for c in o.outputs]
+    assert any(r == "error" and "synchroniz" in why for r, why in reasons), reasons

@@ -9,6 +9,7 @@ lookup); every block's ref count back to 0 and the pool whole at the end.
 import random
 
 import pytest
+from device_utils import assert_finished_cleanly
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -379,9 +380,11 @@ def test_gpu_caching_under_graphs_async_and_sync_debug():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            outs[on] = _ids(llm.generate(prompts, params, use_tqdm=False))
+            got = llm.generate(prompts, params, use_tqdm=False)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+        assert_finished_cleanly(got)
+        outs[on] = _ids(got)
         assert (llm.kv_manager.num_hits > 0) == on
         _assert_pool_whole(llm.kv_manager)
     assert outs[True] == outs[False]
