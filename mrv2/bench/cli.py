@@ -7,6 +7,8 @@
     python -m mrv2 bench timeline --plot    # GPU idle between steps, async off vs on
     python -m mrv2 bench throughput --tiny --runner v2 --out /tmp/t.json   # CPU, seconds
     python -m mrv2 bench latency --workload shared-prefix --prefix-caching both  # TTFT on/off
+    python -m mrv2 bench latency --speculative ngram --num-speculative-tokens 3 \
+        --workload repetitive --sync-accepted-counts   # v2 without / with / with the sync
 """
 
 from __future__ import annotations
@@ -37,14 +39,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline"],
                    help="throughput / latency (v2 vs v1 vs hf), decode (step time with and "
                         "without CUDA graphs), timeline (GPU idle with async off and on)")
-    p.add_argument("--runner", type=_runner_list, default=["v2", "v1", "hf"],
-                   help="comma list of v2, v1, hf (run one after another in this process)")
-    p.add_argument("--workload", choices=["standard", "host-bound", "shared-prefix"],
+    p.add_argument("--runner", type=_runner_list, default=None,
+                   help="comma list of v2, v1, hf (run one after another in this process; "
+                        "default v2,v1,hf, with --speculative only v2)")
+    p.add_argument("--workload", choices=["standard", "host-bound", "shared-prefix",
+                                          "repetitive"],
                    default="standard",
                    help="throughput workload (standard: 256 x [100,1024] in/out; "
                         "host-bound: 1024 x 32 in / 128 out; shared-prefix: 256 x (a shared "
-                        "1024-token prefix + 64 own tokens) in / 128 out). latency: only "
-                        "shared-prefix changes its prompts (batch x (prefix + own tokens))")
+                        "1024-token prefix + 64 own tokens) in / 128 out; repetitive: 64 x "
+                        "a repeated loop, 128 in / 256 out, greedy: the embedded model's own "
+                        "loop, or random repeated 11-grams for another model). latency: "
+                        "shared-prefix and repetitive change its prompts")
+    p.add_argument("--speculative", choices=["ngram", "draft_model"], default=None,
+                   help="compare v2 without and with speculative decoding in the same job")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 3)")
+    p.add_argument("--sync-accepted-counts", action="store_true",
+                   help="with --speculative: also v2 with sync_accepted_counts on (3 rows)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft_model: the draft's folder (default: the embedded model's draft)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="of every request (default 0.6; repetitive: 0, greedy)")
     p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                    help="the mrv2 runners' LLM(enable_prefix_caching=...); both: each runner "
                         "twice, the one without caching labelled <runner>-no-pc")
@@ -97,8 +114,9 @@ def config_from_args(args: argparse.Namespace):
     """``BenchConfig`` of parsed arguments."""
     from mrv2.bench.suite import BenchConfig
 
+    runners = args.runner or (["v2"] if args.speculative else ["v2", "v1", "hf"])
     return BenchConfig(
-        kind=args.kind, runners=args.runner, workload=args.workload, model=args.model,
+        kind=args.kind, runners=runners, workload=args.workload, model=args.model,
         load_format=args.load_format, dtype=args.dtype, tiny=args.tiny,
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -110,7 +128,10 @@ def config_from_args(args: argparse.Namespace):
         batch_sizes=args.batch_sizes, latency_iters=args.latency_iters,
         sweep_batch=args.sweep_batch, profile=args.profile, timeline=args.timeline,
         repeats=args.repeats, prefix_caching=args.prefix_caching,
-        prefix_len=args.prefix_len, suffix_len=args.suffix_len)
+        prefix_len=args.prefix_len, suffix_len=args.suffix_len, temperature=args.temperature,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        sync_accepted_counts=args.sync_accepted_counts, draft_model=args.draft_model,
+        prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[bench] error: {e}")
         return 2
     out = args.out or default_out_path(
-        cfg.kind, cfg.workload if cfg.kind == "throughput" or cfg.workload == "shared-prefix"
-        else None, cfg.tiny)
+        cfg.kind, cfg.workload if cfg.kind == "throughput" or cfg.workload != "standard"
+        else None, cfg.tiny, cfg.speculative)
     path = write_json(results, out)
     print((throughput_table if cfg.kind == "throughput" else latency_table)(results))
     print(f"[bench] wrote {path}")

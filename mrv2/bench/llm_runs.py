@@ -47,6 +47,7 @@ class EngineSizes:
     async_scheduling: bool | None = None
     cudagraph_mode: str | None = None  # LLM(cudagraph_mode=...) of the mrv2 runners
     enable_prefix_caching: bool = True
+    speculative_config: dict | None = None  # V2 only: LLM(speculative_config=...)
 
 
 def caching_variants(runners: list[str], caching: list[bool]) -> list[tuple[str, str, bool]]:
@@ -59,6 +60,21 @@ def caching_variants(runners: list[str], caching: list[bool]) -> list[tuple[str,
             for name in runners for on in caching]
 
 
+def runner_variants(runners: list[str], caching: list[bool],
+                    specs: list[tuple[str, dict | None]] = (("", None),)
+                    ) -> list[tuple[str, str, bool, dict | None]]:
+    """``(label, runner, enable_prefix_caching, speculative_config)`` of every variant.
+
+    The V2 runner gets every speculative variant of ``specs`` (``mrv2.bench.spec``; label
+    ``v2<suffix>``, before any ``-no-pc``); the V1 baseline only the plain one.
+    """
+    out = []
+    for label, name, on in caching_variants(runners, caching):
+        for suffix, cfg in (specs if name == "v2" else [("", None)]):
+            out.append((label.replace(name, name + suffix, 1), name, on, cfg))
+    return out
+
+
 def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
     """``LLM(runner=...)`` with token-id prompts only (no tokenizer)."""
     from mrv2 import LLM
@@ -69,7 +85,8 @@ def build_llm(spec: ModelSpec, runner: str, sizes: EngineSizes):
                max_model_len=sizes.max_model_len, enforce_eager=sizes.enforce_eager,
                runner=runner, async_scheduling=sizes.async_scheduling,
                cudagraph_mode=sizes.cudagraph_mode,
-               enable_prefix_caching=sizes.enable_prefix_caching)
+               enable_prefix_caching=sizes.enable_prefix_caching,
+               speculative_config=sizes.speculative_config)
 
 
 def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
@@ -81,12 +98,17 @@ def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
     Returns:
         ``throughput_figures`` of the run (output tokens counted from the outputs),
         ``triton_compiles``: kernel variants compiled inside the timed run (should be 0),
-        and ``cached_prompt_tokens`` / ``prompt_tokens``: the prefix-cache hits.
+        ``cached_prompt_tokens`` / ``prompt_tokens``: the prefix-cache hits, and
+        ``spec_decode``: the acceptance counts of this run (``mrv2.bench.spec``; ``None``
+        without speculative decoding).
     """
+    from mrv2.bench import spec
+
     steps0 = llm.engine.num_steps
     if not wl.keep_prefix_cache:
         llm.kv_manager.reset_prefix_cache()
     requests, params = wl.requests(), wl.sampling_params(max_tokens)  # built before the clock
+    before = spec.snapshot(llm)
     with count_triton_compiles() as compiled:
         outs, wall = timed(lambda: llm.generate(requests, params, use_tqdm=False))
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -94,6 +116,7 @@ def generate_timed(llm, wl: Workload, max_tokens: int | None = None) -> dict:
     res["triton_compiles"] = len(compiled)
     res["cached_prompt_tokens"] = sum(o.num_cached_tokens for o in outs)
     res["prompt_tokens"] = sum(len(r["prompt_token_ids"]) for r in requests)
+    res["spec_decode"] = spec.delta(before, spec.snapshot(llm))
     if compiled:
         res["compiled_kernels"] = sorted(set(compiled))
     return res
@@ -124,7 +147,19 @@ def describe(llm) -> dict:
             "max_model_len": llm.scheduler_config.max_model_len,
             "num_gpu_blocks": getattr(llm.kv_manager, "num_blocks", None),
             "enable_prefix_caching": llm.kv_manager.enable_caching,
-            "block_size": llm.cache_config.block_size}
+            "block_size": llm.cache_config.block_size,
+            "speculative_config": _spec_settings(llm)}
+
+
+def _spec_settings(llm) -> dict | None:
+    """The resolved ``SpeculativeConfig`` of a built ``LLM`` (``None``: no speculation)."""
+    step = getattr(llm.runner, "spec", None)
+    cfg = getattr(step, "config", None)
+    if cfg is None:
+        return None
+    return {f: getattr(cfg, f) for f in ("method", "num_speculative_tokens", "prompt_lookup_max",
+                                         "prompt_lookup_min", "model", "verification",
+                                         "sync_accepted_counts")}
 
 
 def profile_steps(llm, wl: Workload, out_dir: str | pathlib.Path, tag: str,
@@ -199,12 +234,14 @@ def timeline_summary(llm, wl: Workload, max_tokens: int = 64) -> dict | None:
 def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workload, *,
                    warmup_requests: int, warmup_tokens: int, subset: Workload | None = None,
                    sweep: list[Workload] | None = None, profile_dir: str | None = None,
-                   timeline: bool = False, repeats: int = 1, log=print) -> tuple[dict, dict]:
+                   timeline: bool = False, repeats: int = 1, log=print,
+                   label: str | None = None) -> tuple[dict, dict]:
     """Build one mrv2 runner and time it on the workload (and the extras asked for).
 
     With ``repeats > 1`` the workload is timed that many times and the fastest run is
     reported (all are kept under ``runs``): a first full run also catches one-time costs
     the small warm-up could not reach (e.g. kernels compiled for longer contexts).
+    ``label`` names the run in the log and the profile trace (default: ``runner``).
 
     Returns:
         ``(figures, model_info)``: the runner's figures for the JSON, and the model's
@@ -217,6 +254,7 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
     llm = build_llm(spec, runner, sizes)
     res = {"build_s": time.perf_counter() - t0, "settings": describe(llm)}
     info = model_info(llm.model, llm.hf_config, llm.dtype)
+    runner = label or runner  # what the log and the profile trace are named
     log(f"[bench] {runner}: built in {res['build_s']:.1f} s; warm-up")
     res["warmup_s"] = warm_up(llm, wl, warmup_requests, warmup_tokens)
     runs = []
@@ -252,6 +290,7 @@ def run_throughput(spec: ModelSpec, runner: str, sizes: EngineSizes, wl: Workloa
 
 def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
                 batches: list[Workload], *, iters: int, caching: tuple[bool, ...] = (True,),
+                specs: list[tuple[str, dict | None]] = (("", None),),
                 log=print) -> dict[str, tuple[dict, dict | None]]:
     """Build every mrv2 runner named, then measure TTFT/TPOT with the runners taking turns
     (:func:`mrv2.bench.timing.interleaved_latency_rows`; the latency sizes are small, so
@@ -260,6 +299,7 @@ def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
     Args:
         caching: prefix caching settings; each runner is built once per setting
             (labels from :func:`caching_variants`).
+        specs: speculative variants of the V2 runner (:func:`runner_variants`).
 
     Returns:
         Label -> ``(figures, model_info)`` as :func:`run_throughput`; a runner that
@@ -270,10 +310,11 @@ def run_latency(spec: ModelSpec, runners: list[str], sizes: EngineSizes,
     from mrv2.bench.timing import interleaved_latency_rows
 
     out, built = {}, {}
-    for name, runner, on in caching_variants(runners, list(caching)):
+    for name, runner, on, spec_cfg in runner_variants(runners, list(caching), list(specs)):
         t0 = time.perf_counter()
         try:
-            llm = build_llm(spec, runner, dataclasses.replace(sizes, enable_prefix_caching=on))
+            llm = build_llm(spec, runner, dataclasses.replace(
+                sizes, enable_prefix_caching=on, speculative_config=spec_cfg))
         except Exception as e:  # noqa: BLE001  (the other runners still run)
             out[name] = (error_row(name, e, log), None)
             continue

@@ -11,7 +11,10 @@ import json
 import os
 import pathlib
 
-COLORS = {"v2": "tab:green", "v1": "tab:blue", "hf": "tab:orange"}
+COLORS = {"v2": "tab:green", "v1": "tab:blue", "hf": "tab:orange",
+          # speculative variants of v2 (mrv2.bench.spec)
+          "v2-ngram": "tab:purple", "v2-ngram-sync": "tab:pink",
+          "v2-draft_model": "tab:red", "v2-draft_model-sync": "tab:brown"}
 ROOF_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
 #: Step phases of ``mrv2.timeline``, in the order a step runs them, with its colours.
 PHASES = {"schedule": "tab:purple", "prep": "tab:blue", "forward": "tab:orange",

@@ -17,6 +17,7 @@ import subprocess
 import torch
 
 from mrv2 import platform
+from mrv2.bench.spec import acceptance_lines
 
 #: The checkout this package lives in (``benchmarks/results`` is under it).
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -85,12 +86,15 @@ def environment() -> dict:
             "hardware": hw, "versions": versions, "git_commit": git_commit()}
 
 
-def default_out_path(kind: str, workload: str | None, tiny: bool = False) -> pathlib.Path:
-    """``./bench_<kind>[_<workload>][_tiny]_<YYYY-MM-DD>.json`` in the current directory.
+def default_out_path(kind: str, workload: str | None, tiny: bool = False,
+                     speculative: str | None = None) -> pathlib.Path:
+    """``./bench_<kind>[_spec-<method>][_<workload>][_tiny]_<YYYY-MM-DD>.json`` in the current
+    directory.
 
     NOTE: never inside the checkout: a run from elsewhere must not write into the package.
     """
-    parts = ["bench", kind] + ([workload] if workload else []) + (["tiny"] if tiny else [])
+    parts = (["bench", kind] + ([f"spec-{speculative}"] if speculative else [])
+             + ([workload] if workload else []) + (["tiny"] if tiny else []))
     return pathlib.Path.cwd() / f"{'_'.join(parts)}_{datetime.date.today().isoformat()}.json"
 
 
@@ -139,42 +143,57 @@ def throughput_table(results: dict) -> str:
     """``runner | output tok/s | steps | ms/step | ratio vs v1`` (and the roofline)."""
     runners = results.get("runners", {})
     base = runners.get("v1", {}).get("output_tok_s")
-    head = f"{'runner':<8} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}"
+    w = _name_width(results)
+    head = f"{'runner':<{w}} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}"
     lines = [head + "  requests"]
     for name, r in runners.items():
         if "error" in r:
-            lines.append(f"{name:<8} ERROR: {r['error'].splitlines()[-1][:90]}")
+            lines.append(f"{name:<{w}} ERROR: {r['error'].splitlines()[-1][:90]}")
             continue
         tok_s = r.get("output_tok_s")
         ratio = tok_s / base if base and tok_s else None
-        lines.append(f"{name:<8} {_f(tok_s, '13,.1f')} {_f(r.get('steps'), '7d')} "
+        lines.append(f"{name:<{w}} {_f(tok_s, '13,.1f')} {_f(r.get('steps'), '7d')} "
                      f"{_f(r.get('mean_step_ms'), '8.2f')} {_f(ratio, '6.2f')}  "
                      f"{r.get('num_requests', '-')}")
     roof = results.get("roofline", {}).get("decode")
     if roof:
-        lines.append(f"{'roofline':<8} {_f(roof['tok_s'], '13,.1f')} {'':>7} "
+        lines.append(f"{'roofline':<{w}} {_f(roof['tok_s'], '13,.1f')} {'':>7} "
                      f"{_f(roof['step_ms'], '8.2f')}         (decode, batch {roof['batch']}, "
                      f"context {roof['context']:.0f})")
     whole = results.get("roofline", {}).get("workload")
     if whole:
-        lines.append(f"{'roofline':<8} {_f(whole['tok_s'], '13,.1f')} "
+        lines.append(f"{'roofline':<{w}} {_f(whole['tok_s'], '13,.1f')} "
                      f"{_f(whole['decode_steps'], '7d')} {'':>8}         (the workload's "
                      "decode steps, batch shrinking as requests finish)")
     for key, value in results.get("ratios", {}).items():
         lines.append(f"  {key}: {value:.3f}")
-    return "\n".join(lines)
+    return "\n".join(lines + acceptance_lines(results))
 
 
 def latency_table(results: dict) -> str:
     """``runner | batch | TTFT ms | TPOT ms | e2e ms`` (and the roofline TPOT)."""
-    lines = [f"{'runner':<8} {'batch':>5} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e ms':>10}"]
+    w = _name_width(results)
+    lines = [f"{'runner':<{w}} {'batch':>5} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e ms':>10}"]
     for name, r in results.get("runners", {}).items():
         if "error" in r:
-            lines.append(f"{name:<8} ERROR: {r['error'].splitlines()[-1][:90]}")
+            lines.append(f"{name:<{w}} ERROR: {r['error'].splitlines()[-1][:90]}")
             continue
         for row in r.get("batches", []):
-            lines.append(f"{name:<8} {row['batch_size']:>5} {_f(row['ttft_ms'], '9.2f')} "
+            lines.append(f"{name:<{w}} {row['batch_size']:>5} {_f(row['ttft_ms'], '9.2f')} "
                          f"{_f(row['tpot_ms'], '9.3f')} {_f(row['e2e_ms'], '10.1f')}")
     for row in results.get("roofline", {}).get("per_batch", []):
-        lines.append(f"{'roofline':<8} {row['batch']:>5} {'':>9} {_f(row['step_ms'], '9.3f')}")
-    return "\n".join(lines)
+        lines.append(f"{'roofline':<{w}} {row['batch']:>5} {'':>9} {_f(row['step_ms'], '9.3f')}")
+    spec_ratios = {k: v for k, v in results.get("ratios", {}).items()
+                   if any(r.get("spec_decode") for r in _rows(results, k.split("/")[0]))}
+    for key, value in spec_ratios.items():  # speculative variants: TPOT ratio per batch
+        lines.append(f"  {key} TPOT: " + ", ".join(f"b{b} {x:.3f}"
+                                                  for b, x in value["tpot"].items()))
+    return "\n".join(lines + acceptance_lines(results))
+
+
+def _rows(results: dict, name: str) -> list[dict]:
+    return (results.get("runners", {}).get(name) or {}).get("batches", [])
+
+
+def _name_width(results: dict) -> int:
+    return max([8] + [len(n) for n in results.get("runners", {})])

@@ -14,11 +14,17 @@ import pathlib
 from dataclasses import dataclass, field
 
 from mrv2 import platform
-from mrv2.bench import hf_runs, llm_runs
+from mrv2.bench import hf_runs, llm_runs, spec
 from mrv2.bench.report import REPO_ROOT, environment, error_row
 from mrv2.bench.roofline import copy_bandwidth, decode_roofline, workload_roofline
 from mrv2.bench.timing import free_device_memory
-from mrv2.bench.workloads import make_workload, random_workload, shared_prefix_workload
+from mrv2.bench.workloads import (
+    EMBEDDED_LOOP,
+    make_workload,
+    random_workload,
+    repetitive_workload,
+    shared_prefix_workload,
+)
 
 RUNNERS = ("v2", "v1", "hf")
 #: ``--prefix-caching`` -> the settings each mrv2 runner is built with.
@@ -34,7 +40,8 @@ class BenchConfig:
 
     kind: str = "throughput"                  # "throughput" or "latency"
     runners: list[str] = field(default_factory=lambda: ["v2", "v1", "hf"])
-    workload: str = "standard"                # "standard", "host-bound" or "shared-prefix"
+    workload: str = "standard"                # "standard", "host-bound", "shared-prefix",
+                                              # "repetitive"
     model: str | None = None                  # None: Qwen3-0.6B config (GPU) / embedded (CPU)
     load_format: str | None = None            # None: "dummy" for a bare config, else "auto"
     dtype: str = "auto"
@@ -64,6 +71,13 @@ class BenchConfig:
     prefix_caching: str = "on"                # mrv2 runners: "on", "off" or "both"
     prefix_len: int | None = None             # shared-prefix: default 1024 (tiny: 32)
     suffix_len: int | None = None             # shared-prefix: default 64 (tiny: 5)
+    temperature: float | None = None          # None: 0.6 (repetitive: 0, greedy)
+    speculative: str | None = None            # "ngram" / "draft_model": v2 without and with
+    num_speculative_tokens: int | None = None  # K, default 3
+    sync_accepted_counts: bool = False        # also v2 with the accepted-counts sync
+    draft_model: str | None = None            # default: the embedded model's shipped draft
+    prompt_lookup_max: int | None = None      # ngram: default the config's
+    prompt_lookup_min: int | None = None
 
     def __post_init__(self):
         if self.kind not in ("throughput", "latency"):
@@ -76,6 +90,23 @@ class BenchConfig:
         bad = [r for r in self.runners if r not in RUNNERS]
         if bad or not self.runners:
             raise ValueError(f"runners must be a non-empty subset of {RUNNERS}, got {self.runners}")
+        if self.speculative is None:
+            for key in ("num_speculative_tokens", "draft_model", "prompt_lookup_max",
+                        "prompt_lookup_min"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} needs speculative (--speculative ngram|draft_model)")
+            if self.sync_accepted_counts:
+                raise ValueError("sync_accepted_counts needs speculative "
+                                 "(--speculative ngram|draft_model)")
+            return
+        if self.speculative not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft_model', "
+                             f"got {self.speculative!r}")
+        if "v2" not in self.runners:
+            raise ValueError(f"speculative decoding needs the v2 runner, got {self.runners}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, "
+                             f"got {self.num_speculative_tokens}")
 
 
 def shared_data_dir() -> pathlib.Path:
@@ -112,6 +143,49 @@ def _default(value, normal, tiny_value, tiny: bool):
     return value if value is not None else (tiny_value if tiny else normal)
 
 
+def spec_variants(cfg: BenchConfig, spec_model) -> list[tuple[str, dict | None]]:
+    """The V2 variants of ``cfg`` (``mrv2.bench.spec.spec_variants``); the draft defaults
+    to the embedded model's shipped draft, and is required for any other model."""
+    draft = cfg.draft_model
+    if cfg.speculative == "draft_model" and draft is None:
+        if not is_embedded(spec_model):
+            raise ValueError("--speculative draft_model with --model needs --draft-model PATH "
+                             "(the shipped draft fits only the embedded model)")
+        draft = str(spec.EMBEDDED_DRAFT_DIR)
+    return spec.spec_variants(cfg.speculative, cfg.num_speculative_tokens or 3,
+                              sync=cfg.sync_accepted_counts, draft_model=draft,
+                              prompt_lookup_max=cfg.prompt_lookup_max,
+                              prompt_lookup_min=cfg.prompt_lookup_min)
+
+
+def _set_temperature(cfg: BenchConfig, workloads: list) -> None:
+    if cfg.temperature is not None:
+        for w in workloads:
+            w.temperature = cfg.temperature
+
+
+def is_embedded(spec_model) -> bool:
+    """Whether the benchmark runs the embedded model (by default, or named by its folder)."""
+    from mrv2.models.loader import DEFAULT_MODEL_DIR
+
+    return (spec_model.model is None or (spec_model.load_format != "dummy" and
+            pathlib.Path(spec_model.model).resolve() == DEFAULT_MODEL_DIR.resolve()))
+
+
+def _embedded_loop(spec_model) -> list[int] | None:
+    """The embedded model's own loop for ``repetitive`` (``None``: another model)."""
+    return EMBEDDED_LOOP if is_embedded(spec_model) else None
+
+
+def _workload_label(cfg: BenchConfig, spec_model, temperature: float) -> str:
+    if cfg.workload != "repetitive":
+        return cfg.workload
+    kind = ("the embedded model's own greedy loop, rotated per request"
+            if _embedded_loop(spec_model) is not None else
+            "a random 11-token n-gram per request, repeated")
+    return f"repetitive ({kind}; T={temperature:g})"
+
+
 def _guarded(name: str, fn, log) -> tuple[dict, dict | None]:
     """Run one runner; an exception becomes an error row. Frees memory afterwards."""
     try:
@@ -144,13 +218,16 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     Returns:
         The results dict (what ``python -m mrv2 bench throughput`` writes as JSON).
     """
-    spec, hf_config = resolve_model(cfg)
+    spec_model, hf_config = resolve_model(cfg)
     tiny, vocab = cfg.tiny, hf_config.vocab_size
+    specs = spec_variants(cfg, spec_model)
     wl = make_workload(cfg.workload, vocab, cfg.seed, cfg.num_requests, cfg.input_len,
-                       cfg.output_len, tiny, cfg.prefix_len, cfg.suffix_len)
+                       cfg.output_len, tiny, cfg.prefix_len, cfg.suffix_len,
+                       loop=_embedded_loop(spec_model))
     sweep = [random_workload(f"sweep-b{b}", b, (cfg.input_len or (16 if tiny else 128),) * 2,
                              (cfg.output_len or (4 if tiny else 256),) * 2, vocab, cfg.seed)
              for b in cfg.sweep_batch or []]
+    _set_temperature(cfg, [wl] + sweep)
     max_num_seqs = max([_default(cfg.max_num_seqs, 256, 4, tiny)] + (cfg.sweep_batch or []))
     sizes = llm_runs.EngineSizes(max_num_seqs, max(w.max_len for w in [wl] + sweep),
                                  cfg.max_num_batched_tokens, cfg.enforce_eager,
@@ -159,39 +236,45 @@ def run_throughput(cfg: BenchConfig, log=print) -> dict:
     hf_cap = _default(cfg.hf_max_requests, 64 if cfg.workload == "standard" else None, None, tiny)
     hf_wl = wl.subset(hf_cap) if hf_cap and hf_cap < wl.num_requests else wl
     subset = hf_wl if "hf" in cfg.runners and hf_wl is not wl else None
-    results = _header(cfg, spec, log)
-    results.update(workload=cfg.workload, workload_stats=wl.summary())
-    first_mrv2 = next((r for r in cfg.runners if r != "hf"), None)
+    results = _header(cfg, spec_model, log)
+    results.update(workload=_workload_label(cfg, spec_model, wl.temperature),
+                   workload_stats=wl.summary())
+    variants = [v for r in cfg.runners for v in (
+        [("hf", "hf", False, None)] if r == "hf" else
+        llm_runs.runner_variants([r], list(PREFIX_CACHING[cfg.prefix_caching]), specs))]
+    first_mrv2 = next((label for label, name, _, _ in variants if name != "hf"), None)
     # NOTE: kernels compile per context-length class (attention block sizes, splits), which
     # a small warm-up cannot all reach: on a GPU a first full run absorbs them.
     repeats = cfg.repeats or (2 if platform.HAS_CUDA and not tiny else 1)
     info = None
-    caching = list(PREFIX_CACHING[cfg.prefix_caching])
-    for label, name, on in [v for r in cfg.runners for v in (
-            [("hf", "hf", False)] if r == "hf" else llm_runs.caching_variants([r], caching))]:
+    for label, name, on, spec_cfg in variants:
         if name == "hf":
             fn = lambda: hf_runs.run_throughput(
-                spec, hf_wl, batch_size=cfg.hf_batch_size or max_num_seqs,
+                spec_model, hf_wl, batch_size=cfg.hf_batch_size or max_num_seqs,
                 cache_implementation=cfg.hf_cache, sweep=sweep, log=log)
         else:
-            fn = lambda name=name, on=on: llm_runs.run_throughput(
-                spec, name, dataclasses.replace(sizes, enable_prefix_caching=on), wl,
+            fn = lambda label=label, name=name, on=on, spec_cfg=spec_cfg: llm_runs.run_throughput(
+                spec_model, name, dataclasses.replace(sizes, enable_prefix_caching=on,
+                                                      speculative_config=spec_cfg), wl,
                 warmup_requests=_default(cfg.warmup_requests, 32, 2, tiny),
                 warmup_tokens=_default(cfg.warmup_tokens, 16, 2, tiny), subset=subset,
-                sweep=sweep, profile_dir=cfg.profile if name == first_mrv2 else None,
-                timeline=cfg.timeline, repeats=repeats, log=log)
+                sweep=sweep, profile_dir=cfg.profile if label == first_mrv2 else None,
+                timeline=cfg.timeline, repeats=repeats, log=log, label=label)
         results["runners"][label], runner_info = _guarded(label, fn, log)
         info = info or runner_info
     results["model_info"] = info
-    results["ratios"] = throughput_ratios(results["runners"])
+    pairs = spec.spec_pairs(list(results["runners"]), specs)
+    results["ratios"] = throughput_ratios(results["runners"], pairs)
     results["roofline"] = throughput_roofline(info, results["copy_bandwidth"], wl,
                                               sizes.max_num_seqs, sweep)
     results["notes"] += _throughput_notes(repeats, wl, hf_wl, "hf" in cfg.runners)
+    results["notes"] += spec.NOTES if cfg.speculative else []
     return results
 
 
-def throughput_ratios(runners: dict) -> dict:
-    """``v2/v1``, ``v2/hf``, ``v1/hf`` output tokens/s ratios (HF: on the same requests)."""
+def throughput_ratios(runners: dict, pairs: list[tuple[str, str]] = ()) -> dict:
+    """``v2/v1``, ``v2/hf``, ``v1/hf`` output tokens/s ratios (HF: on the same requests),
+    and ``a/b`` for every extra pair (speculative variants, ``mrv2.bench.spec.spec_pairs``)."""
     def tok(name, key=None):
         r = runners.get(name) or {}
         return (r.get(key) or {}).get("output_tok_s") if key else r.get("output_tok_s")
@@ -202,6 +285,9 @@ def throughput_ratios(runners: dict) -> dict:
     for name in ("v2", "v1"):  # prefix caching on / off
         if tok(name) and tok(f"{name}-no-pc"):
             ratios[f"{name}/{name}-no-pc"] = tok(name) / tok(f"{name}-no-pc")
+    for a, b in pairs:
+        if tok(a) and tok(b):
+            ratios[f"{a}/{b}"] = tok(a) / tok(b)
     for name in ("v2", "v1"):
         same = tok(name, "subset") or tok(name)  # the subset run holds HF's exact requests
         if tok("hf") and same:
@@ -260,31 +346,42 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
     Returns:
         The results dict (what ``python -m mrv2 bench latency`` writes as JSON).
     """
-    spec, hf_config = resolve_model(cfg)
+    spec_model, hf_config = resolve_model(cfg)
+    specs = spec_variants(cfg, spec_model)
     tiny = cfg.tiny
     sizes_b = cfg.batch_sizes or ([1, 2] if tiny else [1, 8, 32])
-    in_len, out_len = cfg.input_len or (16 if tiny else 128), cfg.output_len or (4 if tiny else 128)
+    # NOTE: tiny + speculation: a few more tokens, so the timed runs have speculating steps.
+    in_len = cfg.input_len or (16 if tiny else 128)
+    out_len = cfg.output_len or ((6 if cfg.speculative else 4) if tiny else 128)
     if cfg.workload == "shared-prefix":  # a shared prefix + distinct tokens (new every run)
         prefix = cfg.prefix_len or (32 if tiny else 1024)
         suffix = cfg.suffix_len or (5 if tiny else 64)
         in_len = prefix + suffix
         batches = [shared_prefix_workload(f"latency-shared-b{b}", b, prefix, suffix, out_len,
                                           hf_config.vocab_size, cfg.seed) for b in sizes_b]
+    elif cfg.workload == "repetitive":  # a repeated loop (speculative decoding), greedy
+        batches = [repetitive_workload(f"latency-repetitive-b{b}", b, in_len, out_len,
+                                       hf_config.vocab_size, cfg.seed,
+                                       _embedded_loop(spec_model)) for b in sizes_b]
     else:
         batches = [random_workload(f"latency-b{b}", b, (in_len, in_len), (out_len, out_len),
                                    hf_config.vocab_size, cfg.seed) for b in sizes_b]
+    _set_temperature(cfg, batches)
     sizes = llm_runs.EngineSizes(max(sizes_b + [cfg.max_num_seqs or 0]), in_len + out_len,
                                  cfg.max_num_batched_tokens, cfg.enforce_eager,
                                  cfg.async_scheduling, cfg.cudagraph_mode)
     _check_len(sizes.max_model_len, hf_config)
     iters = _default(cfg.latency_iters, 3, 1, tiny)
-    results = _header(cfg, spec, log)
+    results = _header(cfg, spec_model, log)
+    results.update(workload=_workload_label(cfg, spec_model, batches[0].temperature),
+                   workload_stats=batches[0].summary())
     info = None
     mrv2_runners = [n for n in cfg.runners if n != "hf"]
     if mrv2_runners:  # built together, measured taking turns
         try:
-            measured = llm_runs.run_latency(spec, mrv2_runners, sizes, batches, iters=iters,
-                                            caching=PREFIX_CACHING[cfg.prefix_caching], log=log)
+            measured = llm_runs.run_latency(spec_model, mrv2_runners, sizes, batches,
+                                            iters=iters, specs=specs, log=log,
+                                            caching=PREFIX_CACHING[cfg.prefix_caching])
         except Exception as e:  # noqa: BLE001  (hf may still run)
             error = error_row(", ".join(mrv2_runners), e, log)
             measured = {n: (dict(error), None) for n in mrv2_runners}
@@ -294,10 +391,11 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
             info = info or runner_info
     if "hf" in cfg.runners:
         results["runners"]["hf"], runner_info = _guarded("hf", lambda: hf_runs.run_latency(
-            spec, batches, iters=iters, cache_implementation=cfg.hf_cache, log=log), log)
+            spec_model, batches, iters=iters, cache_implementation=cfg.hf_cache, log=log), log)
         info = info or runner_info
     results["model_info"] = info
-    results["ratios"] = latency_ratios(results["runners"])
+    results["ratios"] = latency_ratios(results["runners"],
+                                       spec.spec_pairs(list(results["runners"]), specs))
     if info is not None:
         bw = results["copy_bandwidth"]["bandwidth_gbs"]
         results["roofline"] = {"bandwidth_gbs": bw, "per_batch": [decode_roofline(
@@ -313,19 +411,21 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
          "run draws new distinct tokens after the shared prefix (so only the prefix, warm "
          "from the warm-up, can hit); <runner>-no-pc = the same runner without caching"),
         ("roofline per_batch step_ms is the best possible TPOT at that batch (context = "
-        "input_len + output_len / 2)")]
+        "input_len + output_len / 2) for one token per step (speculation can beat it)")]
+    results["notes"] += spec.NOTES if cfg.speculative else []
     return results
 
 
-def latency_ratios(runners: dict) -> dict:
-    """Per batch size: ``tpot`` and ``ttft`` ratios a/b for (v2, v1), (v2, hf), (v1, hf)."""
+def latency_ratios(runners: dict, pairs: list[tuple[str, str]] = ()) -> dict:
+    """Per batch size: ``tpot`` and ``ttft`` ratios a/b for (v2, v1), (v2, hf), (v1, hf),
+    and for every extra pair (speculative variants, ``mrv2.bench.spec.spec_pairs``)."""
     def rows(name):
         r = runners.get(name) or {}
         return {row["batch_size"]: row for row in r.get("batches", [])}
 
     out = {}
     for a, b in (("v2", "v1"), ("v2", "hf"), ("v1", "hf"), ("v2", "v2-no-pc"),
-                 ("v1", "v1-no-pc")):
+                 ("v1", "v1-no-pc"), *pairs):
         ra, rb = rows(a), rows(b)
         common = sorted(set(ra) & set(rb))
         if common:

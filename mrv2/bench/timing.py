@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from mrv2 import platform
+from mrv2.bench.spec import merge as spec_merge
 from mrv2.bench.workloads import Workload
 
 
@@ -121,7 +122,8 @@ def interleaved_latency_rows(generates: dict[str, GenerateFn], batches: list[Wor
 
     Returns:
         Runner name -> one dict per batch: ``batch_size, input_len, output_len, ttft_ms,
-        e2e_ms, tpot_ms, steps, mean_step_ms``, the raw runs and ``triton_compiles``.
+        e2e_ms, tpot_ms, steps, mean_step_ms``, the raw runs, ``triton_compiles`` and
+        ``spec_decode`` (the timed full runs' acceptance counts added up, or ``None``).
     """
     rows: dict[str, list[dict]] = {name: [] for name in generates}
     for wl in batches:
@@ -151,7 +153,9 @@ def interleaved_latency_rows(generates: dict[str, GenerateFn], batches: list[Wor
                 "steps": steps, "mean_step_ms": e2e_ms / steps if steps else None,
                 "ttft_ms_runs": ttft, "e2e_ms_runs": e2e,
                 "triton_compiles": sum(r.get("triton_compiles", 0)
-                                       for r in first[name] + full[name])})
+                                       for r in first[name] + full[name]),
+                # acceptance of the timed full runs (mrv2.bench.spec; None: no speculation)
+                "spec_decode": spec_merge([r.get("spec_decode") for r in full[name]])})
     return rows
 
 

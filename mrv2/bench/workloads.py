@@ -9,6 +9,13 @@ runners, not inputs. Token ids are uniform in ``[0, vocab)``; requests set
 followed by its own distinct tokens. Each timed run draws new distinct tokens, so only
 the prefix can be found in the cache, never a whole prompt of an earlier run; the other
 workloads start every timed run with an empty prefix cache (``keep_prefix_cache``).
+
+``repetitive`` (speculative decoding): prompts that repeat a loop, so a proposer that looks
+up the request's own tokens finds real drafts. For the embedded model the loop is its own
+natural greedy loop (``EMBEDDED_LOOP``, its continuation repeats it: acceptance is real);
+for any other model a random ``period``-token n-gram per request, repeated (whether the
+model continues it is up to the model: the benchmark reports the acceptance it measured).
+Greedy by default (``temperature=0``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ WORKLOADS = {
     "host-bound": {"num_requests": 1024, "input_len": (32, 32), "output_len": (128, 128)},
     "shared-prefix": {"num_requests": 256, "prefix_len": 1024, "suffix_len": 64,
                       "output_len": 128},
+    "repetitive": {"num_requests": 64, "input_len": (128, 128), "output_len": (256, 256)},
 }
 
 #: ``--tiny``: the same shapes, shrunk so the Triton interpreter runs them in seconds.
@@ -30,10 +38,15 @@ TINY_WORKLOADS = {
     "standard": {"num_requests": 4, "input_len": (8, 20), "output_len": (3, 8)},
     "host-bound": {"num_requests": 6, "input_len": (8, 8), "output_len": (5, 5)},
     "shared-prefix": {"num_requests": 4, "prefix_len": 32, "suffix_len": 5, "output_len": 3},
+    "repetitive": {"num_requests": 4, "input_len": (16, 16), "output_len": (6, 6)},
 }
 
 #: Sampling of every benchmark request (nano-vllm / mini-sglang protocol).
 TEMPERATURE = 0.6
+#: The embedded model's own greedy loop after "JULIET:" (11 tokens; tests/test_spec_decode_e2e).
+EMBEDDED_LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199]
+#: ``repetitive`` with another model: the length of each request's random repeated n-gram.
+REPETITIVE_PERIOD = 11
 
 
 @dataclass
@@ -176,20 +189,51 @@ def shared_prefix_workload(name: str, num_requests: int, prefix_len: int, suffix
                                 vocab_size, seed)
 
 
+def repetitive_workload(name: str, num_requests: int, input_len: int, output_len: int,
+                        vocab_size: int, seed: int = 0, loop: list[int] | None = None,
+                        temperature: float = 0.0) -> Workload:
+    """Prompts that repeat a loop: ``loop`` rotated by the request's index (so the prompts
+    differ), or, with ``loop=None``, a random ``REPETITIVE_PERIOD``-token n-gram per request.
+
+    Args:
+        name: workload name.
+        num_requests, input_len, output_len: sizes (fixed lengths).
+        vocab_size: random n-grams are uniform in ``[0, vocab_size)``.
+        seed: seeds the random n-grams.
+        loop: the model's own loop (``EMBEDDED_LOOP`` for the embedded model), or ``None``.
+        temperature: of every request (greedy by default).
+
+    Returns:
+        The ``Workload``.
+    """
+    for what, v in (("num_requests", num_requests), ("input_len", input_len),
+                    ("output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"{what} must be >= 1, got {v}")
+    rs = np.random.RandomState([seed, 7])
+    prompts = []
+    for i in range(num_requests):
+        unit = (loop[i % len(loop):] + loop[:i % len(loop)] if loop is not None
+                else rs.randint(0, vocab_size, size=REPETITIVE_PERIOD).tolist())
+        prompts.append((unit * (input_len // len(unit) + 1))[:input_len])
+    return Workload(name, prompts, [output_len] * num_requests, temperature)
+
+
 def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int | None = None,
                   input_len: int | None = None, output_len: int | None = None,
                   tiny: bool = False, prefix_len: int | None = None,
-                  suffix_len: int | None = None) -> Workload:
+                  suffix_len: int | None = None, loop: list[int] | None = None) -> Workload:
     """A named throughput workload, with optional overrides.
 
     Args:
-        name: ``"standard"``, ``"host-bound"`` or ``"shared-prefix"``.
+        name: ``"standard"``, ``"host-bound"``, ``"shared-prefix"`` or ``"repetitive"``.
         vocab_size: the model's vocabulary size.
         seed: the workload seed.
         num_requests: overrides the number of requests.
         input_len, output_len: override the length ranges with one fixed length.
         tiny: the CPU preset (``TINY_WORKLOADS``).
         prefix_len, suffix_len: override the shared-prefix sizes.
+        loop: ``repetitive``: the model's own loop (``None``: random repeated n-grams).
 
     Returns:
         The ``Workload``.
@@ -203,6 +247,10 @@ def make_workload(name: str, vocab_size: int, seed: int = 0, num_requests: int |
                                       prefix_len or spec["prefix_len"],
                                       suffix_len or spec["suffix_len"],
                                       output_len or spec["output_len"], vocab_size, seed)
+    if name == "repetitive":
+        return repetitive_workload(name, num_requests or spec["num_requests"],
+                                   input_len or spec["input_len"][0],
+                                   output_len or spec["output_len"][0], vocab_size, seed, loop)
     return random_workload(name, num_requests or spec["num_requests"],
                            (input_len,) * 2 if input_len else spec["input_len"],
                            (output_len,) * 2 if output_len else spec["output_len"],
