@@ -117,12 +117,21 @@ class Engine(FaultContainment):
             if req is not None:
                 self.scheduler.finish_request(req_id, "abort")
                 aborted.append(req)
+        self.drain()
+        return aborted
+
+    def drain(self) -> None:
+        """When no request is left: wait for a step still in flight and free every row.
+
+        Such a step holds only finished or aborted requests (async scheduling can launch
+        one step too many, e.g. when a speculating step's accepted count was not known
+        yet); its tokens are dropped.
+        """
         if self._pending is not None and not self.scheduler.has_unfinished():
-            # Only aborted requests are in flight: wait for that step and drop its tokens.
             pending, self._pending = self._pending, None
             self._process_safe(*pending)
-        self._free_rows_now()
-        return aborted
+        if not self.has_unfinished():
+            self._free_rows_now()
 
     def _free_rows_now(self) -> None:
         """Free the state rows of finished requests now, with a finished-only runner call.
@@ -168,8 +177,7 @@ class Engine(FaultContainment):
         for item in to_process:
             if item is not None:
                 finished += self._process_safe(*item)
-        if not self.has_unfinished():
-            self._free_rows_now()  # nothing left to run: no row stays held
+        self.drain()  # nothing left to run: no step stays in flight, no row stays held
         if self._timeline is not None:
             # NOTE: one timeline step = one call; with async scheduling its wait/output
             # spans process the launch of the call before.

@@ -329,6 +329,7 @@ def _purpose(args) -> str:
 def model_card(args, s, greedy, c, n_new) -> str:
     samples = "\n\n".join(f"Prompt `{p}`:\n\n```text\n{t}\n```" for p, t in greedy.items())
     train_ppl = math.exp(s["final_train_loss"])
+    reused = "The target's tokenizer, reused (`--tokenizer`):\n" if args.tokenizer else ""
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -346,7 +347,7 @@ Split by characters: the first 90% for training ({s['train_tokens']:,} tokens), 
 for validation ({s['val_tokens']:,} tokens).
 
 ## Tokenizer
-{"The target's tokenizer, reused (`--tokenizer`):\n" if args.tokenizer else ""}Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
+{reused}Byte-level BPE trained with `tokenizers` on the training split: {c.vocab_size:,} tokens
 (`<|endoftext|>` = id 0, the 256 bytes, merges). `<|endoftext|>` is EOS, BOS and pad; no
 token is added when encoding. ByteLevel pre-tokenizer (no prefix space) and decoder, so
 `decode(encode(x)) == x`.

@@ -189,6 +189,10 @@ class _StubRunner:
         from mrv2.async_output import StepOutput
 
         req_ids = list(sched.num_scheduled_tokens)
+        if not req_ids:  # a finished-only call (the engine frees rows): nothing to run
+            out = StepOutput([], [], None, {}, [])
+            return type("Out", (), {"get_output": lambda self: out, "synced_num_sampled": None,
+                                    "req_ids": []})()
         self.scheduled.append((dict(sched.num_scheduled_tokens), dict(sched.num_spec_tokens)))
         run = next(self.runs)
         if callable(run):
