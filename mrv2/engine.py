@@ -117,7 +117,11 @@ class Engine(FaultContainment):
             if req is not None:
                 self.scheduler.finish_request(req_id, "abort")
                 aborted.append(req)
-        self.drain()
+        if self._pending is not None and not self.scheduler.has_unfinished():
+            # Only aborted requests are in flight: wait for that step and drop its tokens.
+            pending, self._pending = self._pending, None
+            self._process_safe(*pending)
+        self._free_rows_now()  # NOTE: at once, also while other requests are in flight
         return aborted
 
     def drain(self) -> None:

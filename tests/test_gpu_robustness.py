@@ -7,6 +7,7 @@ is what it was before the soak. Run: ``python -m pytest tests/test_gpu_robustnes
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -69,6 +70,7 @@ def test_gpu_soak_2000_requests_random_aborts(async_scheduling):
                  SamplingParams(max_tokens=4, presence_penalty=0.5, logprobs=3,
                                 prompt_logprobs=2, logit_bias={1: 1.0}, seed=1),
                  use_tqdm=False)
+    gc.collect()  # NOTE: the previous test's LLM must not be counted in "before"
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     start, submitted, aborted, finished, refused = time.perf_counter(), 0, 0, 0, 0
@@ -90,6 +92,7 @@ def test_gpu_soak_2000_requests_random_aborts(async_scheduling):
                 finished += 1
                 assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     elapsed = time.perf_counter() - start
+    gc.collect()
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
     _nothing_held(llm)
