@@ -333,7 +333,7 @@ def test_minus_one_draft_is_no_draft_a_plain_sample_of_p(with_q):
     # a plain sample of p there, whatever q holds (here q puts all its mass on the token p
     # likes best: a q that was read would move mass off it).
     k, n, temp = 2, 4000, 1.0
-    gen, base, masked, target, st = _setup(k, temp, 12, 1.0, 2 * n, seed=21)
+    gen, _, masked, target, st = _setup(k, temp, 12, 1.0, 2 * n, seed=21)
     base_pos = torch.randint(0, 1000, (2 * n,), generator=gen)
     drafts = torch.full((2 * n, k), -1, dtype=torch.int32)
     sure = torch.full((k + 1, 16), -1e4)                     # row 0: one token only, p = 1
