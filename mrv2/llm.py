@@ -369,11 +369,6 @@ def _spec_config(speculative_config, runner: str, logits_processors):
     if logits_processors:
         # NOTE: a batch-level processor sees one row per request, not per draft position.
         raise ValueError("speculative_config cannot be combined with logits_processors")
-    if config.verification != "exact":
-        # NOTE: the kernel (mrv2/spec_decode/verify.py) exists and is tested; the runner
-        # does not yet hand it the draft probabilities and filtered target logits.
-        raise ValueError("speculative_config['verification']='probabilistic' is not wired "
-                         "into the runner yet; use 'exact' (the default)")
     return config
 
 

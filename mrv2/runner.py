@@ -184,11 +184,13 @@ class ModelRunner(RunnerInterface):
             logits_indices, idx_mapping, positions = (
                 spec_rows.logits_indices, spec_rows.idx_mapping, spec_rows.positions)
         logits = self.model_state.compute_logits(hidden[logits_indices])      # [N, V]
+        if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
+            verified, logprobs = self.spec.verify(self, batch, spec_rows, logits, rows)
+            prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
+            return self.spec.finish(self, batch, spec_rows, verified, logprobs,
+                                    prompt_logprobs, rows)
         out = self.sampler(logits, idx_mapping, positions, rows, self.state)
         prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
-        if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
-            return self.spec.finish(self, batch, spec_rows, out.sampled, out.logprobs,
-                                    prompt_logprobs, rows)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,
                                            out.sampled, num_reqs, self.state)
         return AsyncOutput(batch.req_ids, out.sampled, out.logprobs, prompt_logprobs)

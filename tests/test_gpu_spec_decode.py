@@ -47,12 +47,13 @@ def _tight(**kw):
                num_gpu_blocks_override=16, block_size=4, **kw)
 
 
+@pytest.mark.parametrize("verification", ["exact", "probabilistic"])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", ["FULL", "NONE"])
-def test_speculating_loop_runs_under_sync_debug_error(mode, method):
+def test_speculating_loop_runs_under_sync_debug_error(mode, method, verification):
     """Prefill chunks beside speculating decodes, finishes, preemption; async + graphs."""
     llm = _tight(async_scheduling=True, cudagraph_mode=mode,
-                 speculative_config=_spec(3, method))
+                 speculative_config=_spec(3, method, verification=verification))
     inputs, params = _inputs(16), _params(16)
     llm.generate(inputs[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
     torch.cuda.synchronize()

@@ -324,3 +324,36 @@ def test_reusing_the_draft_noise_is_detected():
     biased = probabilistic_verify_ref(logits, drafts, idx, base_pos, *st.cols(), draft_probs=q,
                                       uniforms=u_reused, residual_noise=g0)
     assert _chi2_p(biased.output_token_ids[:, 0].numpy(), target[0]) < 1e-6
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_minus_one_draft_is_no_draft_a_plain_sample_of_p(with_q):
+    # The runner's prefill / plain-decode rows (K_b = 0: every draft -1) and a request whose
+    # second draft is -1 after an always-accepted first one: the output at a -1 position is
+    # a plain sample of p there, whatever q holds (here q puts all its mass on the token p
+    # likes best: a q that was read would move mass off it).
+    k, n, temp = 2, 4000, 1.0
+    gen, _, masked, target, st = _setup(k, temp, 12, 1.0, 2 * n, seed=21)
+    base_pos = torch.randint(0, 1000, (2 * n,), generator=gen)
+    drafts = torch.full((2 * n, k), -1, dtype=torch.int32)
+    sure = torch.full((k + 1, 16), -1e4)                     # row 0: one token only, p = 1
+    sure[0, 5] = 0.0
+    logits = torch.cat([masked.repeat(n, 1), torch.cat([sure[:1], masked[1:]]).repeat(n, 1)])
+    drafts[n:, 0] = 5
+    q = None
+    if with_q:
+        q = torch.zeros(2 * n * k, 16)
+        q[torch.arange(2 * n * k), torch.from_numpy(target.argmax(1)[:k]).repeat(2 * n)] = 1.0
+        q[n * k::k] = torch.eye(16)[5]                       # the real draft: x = 5, q(x) = 1
+    idx = torch.arange(2 * n, dtype=torch.int32)
+    res = probabilistic_verify(logits.clone(), drafts, idx, base_pos, st, q,
+                               needs_top_k_top_p=False)
+    ref = probabilistic_verify_ref(logits, drafts, idx, base_pos, *st.cols(), draft_probs=q)
+    _assert_same(res, ref)
+    plain = type(res)(*(t[:n] for t in res[:3]), res.sampled)
+    assert plain.num_output_tokens.eq(1).all()               # nothing to accept: one token
+    assert min(_check_positions(plain, target, k)) > 1e-3
+    after = type(res)(*(t[n:] for t in res[:3]), res.sampled)
+    assert after.num_output_tokens.eq(2).all()               # x = 5 accepted, then -1: stop
+    assert after.output_token_ids[:, 0].eq(5).all()
+    assert _chi2_p(after.output_token_ids[:, 1].numpy(), target[1]) > 1e-3

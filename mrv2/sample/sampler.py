@@ -79,6 +79,27 @@ class Sampler:
         Returns:
             A ``SamplerOutput``.
         """
+        ruled, raw, max_logprobs, meta = self.apply_rules(logits, idx_mapping, rows, state)
+        sampled = self.sample_tokens(ruled, idx_mapping, state, positions, meta)  # [N]
+        logprobs = None
+        if max_logprobs >= 0:
+            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([N,k+1],[N,k+1],[N])
+        return SamplerOutput(sampled, logprobs)
+
+    def apply_rules(self, logits: torch.Tensor, idx_mapping: torch.Tensor, rows: list[int],
+                    state, force_float: bool = False):
+        """The logit rules of ``__call__`` without the sampling (probabilistic verification).
+
+        Args:
+            logits, idx_mapping, rows, state: as for ``__call__``.
+            force_float: return float32 logits even when no rule needs them.
+
+        Returns:
+            ``(ruled [N, V], raw [N, V] or None, max_logprobs, SamplingMetadata)``: the
+            logits after bias / allowed ids / bad words / penalties / processors (not yet
+            top-k / top-p / min-p), the raw logits when some row wants logprobs (else
+            ``None``; ``max_logprobs`` is then -1) and the batch's sampling flags.
+        """
         states = self.states
         max_logprobs = states.max_logprobs(rows)
         biased, banned, penalized = states.needs_rules(rows)
@@ -86,17 +107,13 @@ class Sampler:
                                 needs_top_k_top_p=states.needs_top_k_top_p(rows))
         # The rules below edit fp32 logits in place; the plain path (argmax, or Gumbel-max
         # reading bf16 and converting in registers) skips a [N, V] fp32 copy.
-        if (max_logprobs >= 0 or biased or banned or penalized or states.logits_processors
-                or meta.needs_top_k_top_p):
+        if (force_float or max_logprobs >= 0 or biased or banned or penalized
+                or states.logits_processors or meta.needs_top_k_top_p):
             logits = logits.float()                                            # [N, V]
         # NOTE: logprobs are of the raw logits; top-k/top-p masks the logits in place.
-        raw = logits.clone() if max_logprobs >= 0 else logits
+        raw = logits.clone() if max_logprobs >= 0 else None
         logits = states.apply_rules(logits, idx_mapping, state, biased, banned, penalized)
-        sampled = self.sample_tokens(logits, idx_mapping, state, positions, meta)  # [N]
-        logprobs = None
-        if max_logprobs >= 0:
-            logprobs = compute_topk_logprobs(raw, max_logprobs, sampled)  # ([N,k+1],[N,k+1],[N])
-        return SamplerOutput(sampled, logprobs)
+        return logits, raw, max_logprobs, meta
 
     def sample_tokens(self, logits: torch.Tensor, idx_mapping: torch.Tensor, state,
                       positions: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

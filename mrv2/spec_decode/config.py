@@ -42,7 +42,9 @@ class SpeculativeConfig:
         prompt_lookup_max, prompt_lookup_min: the n-gram sizes tried, longest first
             (``ngram`` only). As in vLLM, one given alone sets the other; neither: both 5.
         model: the draft model's folder (``draft_model`` only); it must exist.
-        verification: ``"exact"`` or ``"probabilistic"``.
+        verification: ``"exact"`` (seeded output unchanged by speculation) or
+            ``"probabilistic"`` (Leviathan / Chen: other tokens, the same distribution;
+            greedy output unchanged).
         sync_accepted_counts: copy the accepted counts to the CPU every step (a
             measurement toggle; the V2 loop never does it otherwise).
     """

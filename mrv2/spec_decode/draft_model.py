@@ -13,6 +13,13 @@ the same token in both), the same gathered block table. Per target step:
    agrees with the target's distribution proposes the target's very sample (coupled noise:
    sampled requests keep a high acceptance under ``exact`` verification).
 
+In ``probabilistic`` mode (``keep_probs``) the proposer also keeps, per state row, the
+filtered draft distribution q ``[K, V]`` each draft was sampled from (the target row's
+temperature / top-k / top-p / min-p over the draft's logits; greedy rows: a point mass at
+the draft): ``probabilistic_verify`` needs q(x). The drafts may keep the (seed, position)
+stream-0 noise: a Gumbel-max sample is an exact sample of q whatever the noise, and the
+verification draws its uniforms and residual noise from streams 1 and 2.
+
 Everything is on the device; the only CPU input is each slot's KV capacity (allocated
 blocks x block size): a chained step past it writes nothing (a worse draft, never a
 wrong output, since verification is exact). The scheduler allocates K lookahead slots so
@@ -25,6 +32,7 @@ import numpy as np
 import torch
 
 from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
 from mrv2.model_state import ModelState
 from mrv2.sample import SamplingMetadata
 from mrv2.state import to_device_async
@@ -39,10 +47,12 @@ class DraftModelProposer:
         num_blocks, block_size: the target's KV pool (the draft's cache mirrors it).
         max_model_len: the longest sequence.
         dtype, device: as the target's.
+        keep_probs: keep each draft's filtered distribution q (``kept_probs``).
     """
 
     def __init__(self, path: str, target_vocab_size: int, num_blocks: int, block_size: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device):
+                 max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 keep_probs: bool = False):
         from mrv2.models.loader import load_model
 
         model, cfg = load_model(path, dtype, device)
@@ -58,6 +68,24 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
+        self.keep_probs = keep_probs
+        self.vocab_size = target_vocab_size
+        self.probs: torch.Tensor | None = None  # [R, K, V] float32, made at the first propose
+
+    def _probs_buffer(self, state) -> torch.Tensor:
+        if self.probs is None:  # one q [K, V] per state row (the drafts' rows)
+            self.probs = torch.zeros(*state.draft_token_ids.shape, self.vocab_size,
+                                     dtype=torch.float32, device=self.device)
+        return self.probs
+
+    def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
+        """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``).
+
+        Args:
+            idx_mapping: int32 ``[B]`` the batch's state rows.
+            state: the ``RequestStateTable`` (its ``draft_token_ids`` gives ``[R, K]``).
+        """
+        return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
 
     def propose(self, batch, runner, k: int, meta: SamplingMetadata) -> torch.Tensor:
         """Mirror the target step, then K chained steps; ``[B, K]`` int32 drafts.
@@ -84,7 +112,8 @@ class DraftModelProposer:
         tok = state.token_ids[rows, start.clamp(max=self.max_model_len - 1)]  # [B]
         query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
         max_seq_len = min(md.max_seq_len + k, self.max_model_len)
-        drafts = []
+        temp = state.temperature[rows]                                      # [B]
+        drafts, probs = [], []
         for i in range(k):
             pos = start + i                                                 # [B]
             live = (pos < self.max_model_len) & (pos < capacity)
@@ -103,7 +132,30 @@ class DraftModelProposer:
             # NOTE: the target's sampler and noise at the draft's position: coupled drafts.
             tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 1, meta)  # [B]
             drafts.append(torch.where(live, tok, -1))
+            if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
+                probs.append(filtered_probs(logits, temp, tok))             # [B, V]
+        if self.keep_probs and num_reqs:
+            self._probs_buffer(state)[rows] = torch.stack(probs, dim=1)     # [B, K, V]
         return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]
+
+
+def filtered_probs(masked: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor
+                   ) -> torch.Tensor:
+    """The distribution a row was sampled from: ``softmax(masked / T)``; greedy: one-hot.
+
+    Args:
+        masked: ``[B, V]`` logits after the top-k / top-p / min-p mask.
+        temperature: ``[B]`` each row's temperature (below ``GREEDY_TEMPERATURE``: greedy).
+        sampled: ``[B]`` the row's sample (a greedy row's argmax).
+
+    Returns:
+        ``[B, V]`` float32.
+    """
+    greedy = temperature < GREEDY_TEMPERATURE                               # [B]
+    s = masked.float() / torch.where(greedy, 1.0, temperature)[:, None]    # [B, V]
+    p = torch.softmax(s, dim=-1)
+    one_hot = torch.nn.functional.one_hot(sampled.long(), s.shape[1]).to(torch.float32)
+    return torch.where(greedy[:, None], one_hot, p)
 
 
 def batch_rows(runner, batch) -> list[int]:

@@ -10,8 +10,12 @@ step then runs, all on the device and in stream order:
 2. the unchanged logit rules and sampler over those rows: the target's own Gumbel-max
    sample at every position, with the stateless (seed, position) noise, so a seeded
    request samples exactly the tokens it samples without speculation;
-3. ``finish``: ``exact`` acceptance against the drafts in ``state.draft_token_ids``
-   (``a_b`` leading matches, output = the first ``a_b + 1`` targets), ``spec_post_update``
+3. ``verify``: ``exact`` acceptance against the drafts in ``state.draft_token_ids``
+   (``a_b`` leading matches, output = the first ``a_b + 1`` targets); or, in
+   ``probabilistic`` mode, the rules only (no target sample), the rows gathered into the
+   uniform ``[B * (K + 1), V]`` layout and ``probabilistic_verify`` (Leviathan / Chen;
+   q = a point mass for n-gram drafts, the draft model's kept filtered probabilities);
+4. ``finish``: ``spec_post_update``
    (``num_computed_tokens``, ``token_ids``, ``total_len``, ``last_sampled_token``), then the
    proposer writes the next drafts into the draft slots.
 
@@ -28,12 +32,13 @@ import numpy as np
 import torch
 
 from mrv2.async_output import AsyncOutput
+from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.sample import SamplingMetadata
 from mrv2.spec_decode.config import SpeculativeConfig
 from mrv2.spec_decode.draft_slots import spec_post_update, write_draft_slots
-from mrv2.spec_decode.ngram import ngram_propose
-from mrv2.spec_decode.verify import exact_accept
 from mrv2.spec_decode.metrics import SpecDecodeStats
+from mrv2.spec_decode.ngram import ngram_propose
+from mrv2.spec_decode.verify import VerifyOutput, exact_accept, probabilistic_verify
 from mrv2.state import to_device_async
 
 
@@ -83,7 +88,7 @@ def expand_rows_np(num_scheduled, num_spec, k: int) -> dict[str, np.ndarray]:
 
 
 class SpecDecodeStep:
-    """Per-step speculative decoding for the V2 runner (n-gram proposer, exact verification).
+    """Per-step speculative decoding for the V2 runner (both proposers, both verifications).
 
     Args:
         config: the speculative config (``num_speculative_tokens``, n-gram sizes, sync).
@@ -98,13 +103,14 @@ class SpecDecodeStep:
         self.device = torch.device(device)
         self.stats = SpecDecodeStats(self.k)
         self.draft = None
+        self.probabilistic = config.verification == "probabilistic"
         if config.method == "draft_model":
             from mrv2.spec_decode.draft_model import DraftModelProposer
 
             self.draft = DraftModelProposer(
                 config.model, draft_args["vocab_size"], draft_args["num_blocks"],
                 draft_args["block_size"], draft_args["max_model_len"], draft_args["dtype"],
-                self.device)
+                self.device, keep_probs=self.probabilistic)
 
     def expand(self, batch, num_scheduled: list[int], num_spec_tokens: dict[str, int]
                ) -> SpecRows:
@@ -131,24 +137,69 @@ class SpecDecodeStep:
             positions=batch.seq_lens[slot].to(torch.int64) - back,          # [N]
             gather=gather, num_spec_tokens=num_spec)
 
-    def finish(self, runner, batch, rows: SpecRows, sampled: torch.Tensor, logprobs,
+    def verify(self, runner, batch, rows: SpecRows, logits: torch.Tensor, req_rows: list[int]
+               ) -> tuple[VerifyOutput, tuple | None]:
+        """The target's side: rules (and samples), then acceptance of the drafts (no sync).
+
+        Args:
+            runner: the ``ModelRunner`` (its sampler and state table).
+            batch: the step's ``InputBatch``.
+            rows: from ``expand``.
+            logits: ``[N, V]`` the model's logits of the expanded rows.
+            req_rows: the batch's state rows (CPU ints: the sampling flags).
+
+        Returns:
+            ``(VerifyOutput, logprobs)``; logprobs ``(ids [B, K+1, k+1], logprobs
+            [B, K+1, k+1], ranks [B, K+1])`` of the raw logits of the returned tokens, or
+            ``None`` when no row asked for them.
+        """
+        state, num_reqs = runner.state, batch.num_reqs
+        idx_mapping = batch.idx_mapping[:num_reqs]                          # [B]
+        drafts = state.draft_token_ids[idx_mapping.long()]                  # [B, K]
+        if not self.probabilistic:
+            out = runner.sampler(logits, rows.idx_mapping, rows.positions, req_rows, state)
+            verified = exact_accept(drafts, out.sampled[rows.gather], rows.num_spec_tokens)
+            logprobs = None
+            if out.logprobs is not None:
+                ids, lps, ranks = out.logprobs
+                logprobs = (ids[rows.gather], lps[rows.gather], ranks[rows.gather])
+            return verified, logprobs
+        ruled, raw, max_logprobs, meta = runner.sampler.apply_rules(
+            logits, rows.idx_mapping, req_rows, state, force_float=True)
+        flat = rows.gather.view(-1)                                         # [B * (K + 1)]
+        j = torch.arange(self.k, device=drafts.device)
+        # Drafts past K_b are not verified: -1, "no draft" (the row samples from p).
+        drafts = torch.where(j[None, :] < rows.num_spec_tokens[:, None], drafts, -1)
+        # Row j of request b samples position seq_len - K_b + j: base = seq_len - K_b - 1.
+        base = batch.seq_lens[:num_reqs].to(torch.int64) - rows.num_spec_tokens - 1  # [B]
+        q = None if self.draft is None else self.draft.kept_probs(idx_mapping, state)
+        verified = probabilistic_verify(ruled[flat], drafts, idx_mapping, base, state, q,
+                                        needs_top_k_top_p=meta.needs_top_k_top_p)
+        logprobs = None
+        if raw is not None:
+            # NOTE: the returned tokens are not the sampler's: score them on the raw rows.
+            tokens = verified.output_token_ids.view(-1).clamp(min=0).long()  # [B * (K + 1)]
+            ids, lps, ranks = compute_topk_logprobs(raw[flat], max_logprobs, tokens)
+            shape = (num_reqs, self.k + 1)
+            logprobs = (ids.view(*shape, -1), lps.view(*shape, -1), ranks.view(shape))
+        return verified, logprobs
+
+    def finish(self, runner, batch, rows: SpecRows, verified: VerifyOutput, logprobs,
                prompt_logprobs: dict, req_rows: list[int]) -> AsyncOutput:
-        """Verify, append the accepted runs, propose the next drafts; the step's output.
+        """Append the accepted runs, propose the next drafts; the step's output.
 
         Args:
             runner: the ``ModelRunner`` (its state table, buffers and penalties).
             batch: the step's ``InputBatch``.
             rows: from ``expand``.
-            sampled: ``[N]`` the target's sample per logits row.
-            logprobs: ``(ids [N, k+1], logprobs [N, k+1], ranks [N])`` or ``None``.
+            verified: from ``verify``.
+            logprobs: from ``verify``.
             prompt_logprobs: as for ``AsyncOutput``.
             req_rows: the batch's state rows (CPU ints: the sampling flags are read from them).
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping                                     # [B_pad]
-        target = sampled[rows.gather]                                       # [B, K + 1]
         drafts = state.draft_token_ids[idx_mapping[:num_reqs].long()]       # [B, K]
-        verified = exact_accept(drafts, target, rows.num_spec_tokens)
         output_tokens, num_sampled = verified.output_token_ids, verified.num_output_tokens
         slots = torch.arange(self.k, device=drafts.device)
         num_drafts = ((drafts >= 0) & (slots[None, :] < rows.num_spec_tokens[:, None])).sum(1)
@@ -171,9 +222,6 @@ class SpecDecodeStep:
                                            state.total_len, self.k, cfg.prompt_lookup_min,
                                            cfg.prompt_lookup_max)
         write_draft_slots(next_drafts, idx_mapping, num_reqs, state)
-        if logprobs is not None:
-            ids, lps, ranks = logprobs
-            logprobs = (ids[rows.gather], lps[rows.gather], ranks[rows.gather])  # [B, K+1, ..]
         out = AsyncOutput(batch.req_ids, output_tokens, logprobs, prompt_logprobs,
                           num_sampled=num_sampled, num_draft_tokens=num_drafts)
         if cfg.sync_accepted_counts:
