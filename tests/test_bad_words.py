@@ -24,6 +24,9 @@ def test_reference_on_hand_made_cases():
     assert bad_words_banned_ref([3, 4], [[3, 4, 5]]) == {5}
 
 
+_CPU_ONLY = "the interpreter on CPU tensors; the GPU test covers the compiled kernel"
+
+
 def _setup(rng, num_rows, vocab, max_len, outputs, words, device="cpu"):
     """A state table whose rows hold random prompts + ``outputs``, and a BadWordsState."""
     state = RequestStateTable(num_rows, max_len, device)
@@ -39,6 +42,7 @@ def _setup(rng, num_rows, vocab, max_len, outputs, words, device="cpu"):
     return state, bad
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason=_CPU_ONLY)
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_equals_reference_random(seed):
     rng = random.Random(seed)
@@ -58,6 +62,7 @@ def test_kernel_equals_reference_random(seed):
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason=_CPU_ONLY)
 def test_edge_cases_empty_batch_padding_and_reused_rows():
     rng = random.Random(9)
     state, bad = _setup(rng, 3, 16, 16, [[1, 2], [], [7]], [[[2, 5]], [[9]], []])
