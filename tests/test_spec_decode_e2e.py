@@ -8,6 +8,7 @@ speculating decodes, and preemption; async scheduling on and off.
 import random
 
 import pytest
+from engine_checks import assert_nothing_held
 
 from mrv2 import LLM, SamplingParams
 from mrv2.models.loader import DEFAULT_MODEL_DIR
@@ -60,13 +61,9 @@ def baseline():
 
 
 def _assert_clean(llm):
-    assert not llm.engine.has_unfinished()
-    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
-    # The engine frees the last rows when nothing is left to run (mrv2/engine.py).
-    assert all(r is None for r in llm.runner.state.req_ids)
+    assert_nothing_held(llm)
     llm.generate(["A"], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert all(r is None for r in llm.runner.state.req_ids)
-    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
+    assert_nothing_held(llm)  # and again after one more request
 
 
 @pytest.mark.parametrize("k,async_scheduling", [(1, False), (3, True), (5, False), (5, True)])

@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+from engine_checks import assert_nothing_held
 from scipy import stats
 
 from mrv2 import LLM, SamplingParams
@@ -40,12 +41,9 @@ def _tight(spec=None, async_scheduling=False):
 
 
 def _assert_clean(llm):
-    assert not llm.engine.has_unfinished()
-    assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
-    # The engine frees the last rows when nothing is left to run (mrv2/engine.py).
-    assert all(r is None for r in llm.runner.state.req_ids)
+    assert_nothing_held(llm)
     llm.generate(["A"], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert all(r is None for r in llm.runner.state.req_ids)
+    assert_nothing_held(llm)  # and again after one more request
 
 
 def _greedy_inputs():
