@@ -295,7 +295,7 @@ def exact_accept(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor,
     Returns:
         ``VerifyOutput`` (``sampled`` is ``target_token_ids`` flattened).
     """
-    num_reqs, k = draft_token_ids.shape
+    k = draft_token_ids.shape[1]
     j = torch.arange(k, device=draft_token_ids.device)                      # [K]
     drafts = torch.where(j[None, :] < num_spec_tokens[:, None],
                          draft_token_ids.to(torch.int32), -1)               # [B, K]
