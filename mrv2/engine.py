@@ -225,7 +225,9 @@ class Engine(FaultContainment):
             req.last_token_time = t
             if req.first_token_time is None:
                 req.first_token_time = t
-            with self._contained(req, "processing its output"):
+            # NOTE: boundary 1 of mrv2/fault.py as a plain try: a context manager per
+            # request per step cost ~1.3 us each (0.3 ms a step at batch 256).
+            try:
                 # Tokens in order, stop conditions after each: a finish inside an accepted
                 # run returns nothing after it.
                 for j, token in enumerate(tokens):
@@ -245,6 +247,9 @@ class Engine(FaultContainment):
                         finished.append(req)
                         break
                 self.updated.append(req)
+            except Exception as exc:  # noqa: BLE001 (the boundary: any error of this request)
+                self._fail(req, f"request {req.request_id!r} failed while processing its "
+                           f"output: {exc!r}")
         return finished
 
     def _detok_token(self, token_id: int) -> str:
