@@ -51,3 +51,25 @@ def assert_finished_cleanly(outputs) -> None:
     bad = [(o.request_id, c.finish_reason, c.stop_reason) for o in outputs for c in o.outputs
            if c.finish_reason not in ("stop", "length")]
     assert not bad, f"requests did not finish cleanly: {bad[:3]}"
+
+
+def generate_without_sync(llm, prompts, params):
+    """``llm.generate`` under ``torch.cuda.set_sync_debug_mode("error")``, checked clean.
+
+    The one shape of every no-sync proof of the step loop: kernels already compiled by
+    the caller's warm-up, then a run in which any CPU-GPU sync is an error; since the
+    engine contains errors, the proof is that every request finished cleanly.
+
+    Returns:
+        The ``RequestOutput`` list.
+    """
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert_finished_cleanly(outs)
+    return outs

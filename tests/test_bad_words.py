@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from device_utils import assert_finished_cleanly
+from device_utils import generate_without_sync
 
 from mrv2 import LLM, SamplingParams
 from mrv2.sample.bad_words import (
@@ -157,14 +157,8 @@ def test_gpu_bad_words_never_sync_and_match_reference_bf16():
               for i in range(12)]
     prompts = ["ROMEO:", "JULIET:", "First Citizen:"] * 4
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up: compile kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    outs = generate_without_sync(llm, prompts, params)
     assert all(o.finished for o in outs)
-    assert_finished_cleanly(outs)
     for o, sp in zip(outs, params):
         for seq in sp.bad_words_token_ids or []:
             ids = o.outputs[0].token_ids

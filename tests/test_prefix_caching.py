@@ -9,7 +9,7 @@ lookup); every block's ref count back to 0 and the pool whole at the end.
 import random
 
 import pytest
-from device_utils import assert_finished_cleanly
+from device_utils import generate_without_sync
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -367,7 +367,6 @@ def test_enable_prefix_caching_argument():
 def test_gpu_caching_under_graphs_async_and_sync_debug():
     """fp32 on the GPU (token identity across schedules), CUDA graphs and async on: the
     same outputs with caching on and off, and no sync in the loop while hits happen."""
-    import torch
 
     prompts, params = _workload(4)
     outs = {}
@@ -377,14 +376,7 @@ def test_gpu_caching_under_graphs_async_and_sync_debug():
                   async_scheduling=True, enable_prefix_caching=on)
         assert llm.runner.cuda_graphs.graphs
         llm.generate(prompts, params, use_tqdm=False)             # warm-up; fills the cache
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert_finished_cleanly(got)
-        outs[on] = _ids(got)
+        outs[on] = _ids(generate_without_sync(llm, prompts, params))
         assert (llm.kv_manager.num_hits > 0) == on
         _assert_pool_whole(llm.kv_manager)
     assert outs[True] == outs[False]
