@@ -43,3 +43,23 @@ def test_interpreter_body_falls_back_to_the_helper_without_rewrite():
     assert platform.interpreter_body(helper) is helper
     body = platform.interpreter_body(tl.sum)
     assert body is tl.sum if not platform.TRITON_INTERPRET else callable(body)
+
+
+@pytest.mark.skipif(not platform.TRITON_INTERPRET, reason="interpreter only")
+def test_the_language_is_patched_once_and_kernels_still_agree():
+    import torch
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang, "_mrv2_kept", False)
+
+    @triton.jit
+    def add_rowsum(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        tl.store(out_ptr + i, x + tl.sum(x, 0))  # tl.sum is a jit helper: a nested patch
+
+    for n in (1, 16, 64):  # several launches: the kept patch must serve every one
+        x = torch.randn(n)
+        out = torch.empty(n)
+        add_rowsum[(1,)](x, out, n)
+        torch.testing.assert_close(out, x + x.sum())
