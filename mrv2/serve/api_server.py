@@ -160,9 +160,9 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
+        if (api_key is not None and request.url.path.startswith("/v1")
+                and request.headers.get("Authorization") != f"Bearer {api_key}"):
+            return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
         return await call_next(request)
 
     @app.get("/health")

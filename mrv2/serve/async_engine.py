@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
