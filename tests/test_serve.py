@@ -106,6 +106,18 @@ def test_async_engine_deltas_add_up_to_llm_generate(served):
     # a stop string: held back while streaming, cut at the end, as LLM.generate cuts it
     _, texts, _ = asyncio.run(_collect(engine, PROMPT, SamplingParams(**STOP), "a1"))
     assert texts[0] == ref["stop"].outputs[0].text and "!" not in texts[0]
+
+    async def slow_consumer():  # several steps wait in the queue: they arrive as one output
+        outs = []
+        async for o in engine.generate(PROMPT, SamplingParams(**GREEDY), "a2"):
+            outs.append(o)
+            await asyncio.sleep(1.0 if len(outs) == 1 else 0)
+        return outs
+
+    outs = asyncio.run(slow_consumer())
+    assert len(outs) < GREEDY["max_tokens"] and outs[-1].finished
+    assert "".join(o.outputs[0].text for o in outs) == ref["greedy"].outputs[0].text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ref["greedy"].outputs[0].token_ids
     assert _wait_idle(engine) == IDLE
 
 
@@ -308,3 +320,42 @@ def test_32_concurrent_streaming_clients_all_complete(served):
     assert results == [(8, "length")] * 32
     assert time.monotonic() - start < 90
     assert _wait_idle(served["engine"]) == IDLE
+
+
+def test_serve_help_imports_neither_torch_nor_fastapi():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mrv2", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()}
+    assert not {"torch", "fastapi", "uvicorn"} & imported
+    assert "--api-key" in proc.stdout and "--max-num-seqs" in proc.stdout
+
+
+# -- bench serve ---------------------------------------------------------------------------
+
+
+def test_bench_serve_summary_of_known_records():
+    from mrv2.bench.serve import summarize
+
+    recs = [{"start": 0.0, "chunks": [1.0, 1.5, 2.5], "end": 2.5, "tokens": 3, "error": None},
+            {"start": 0.0, "chunks": [], "end": 0.1, "tokens": 0, "error": "HTTP 400"}]
+    s = summarize(recs, duration=5.0, rate=2.0, max_concurrency=4, prompt_tokens=10)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (1, 1, 3)
+    assert s["ttft_ms"]["p50"] == pytest.approx(1000.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(750.0)  # gaps of 500 and 1000 ms
+    assert s["tpot_ms"]["p99"] == pytest.approx(750.0)  # (2.5 - 1.0) s / 2 tokens
+    assert s["output_tok_s"] == pytest.approx(0.6) and s["total_tok_s"] == pytest.approx(2.6)
+
+
+def test_bench_serve_streams_a_rate_against_the_server(served):
+    from mrv2.bench.serve import run_rate
+
+    ids = served["llm"].tokenizer.encode(PROMPT)
+    root = served["base"].removesuffix("/v1")
+    row = asyncio.run(run_rate(root, MODEL, [ids] * 3, [3, 3, 3], rate=50.0,
+                               max_concurrency=2))
+    assert (row["completed"], row["failed"], row["output_tokens"]) == (3, 0, 9)
+    assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["p50"] > 0

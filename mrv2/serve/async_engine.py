@@ -54,6 +54,12 @@ class _Delta:
     cumulative_logprob: float | None
 
 
+def _deliver(items) -> None:
+    """On the event loop: hand each request's step output to its queue."""
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class IncrementalText:
     """Streamed text of one completion: decode a small window of tokens per step.
 
@@ -183,28 +189,47 @@ class AsyncLLM:
         first, finished = True, False
         try:
             while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
-                    raise item
-                req, deltas, finished = item
-                outs = []
-                for d in deltas:
-                    text = texts.setdefault(d.index, IncrementalText(self.tokenizer, params))
-                    outs.append(CompletionOutput(
-                        index=d.index, text=text.add(d), token_ids=d.token_ids,
-                        cumulative_logprob=d.cumulative_logprob, logprobs=d.logprobs,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                items = [await queue.get()]
+                while not queue.empty():  # NOTE: a consumer behind by k steps sends one output
+                    items.append(queue.get_nowait())
+                outs: dict[int, CompletionOutput] = {}
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True  # the engine already dropped it
+                        raise item
+                    req, deltas, finished = item
+                    for d in deltas:
+                        self._merge(outs, d, texts.setdefault(
+                            d.index, IncrementalText(self.tokenizer, params)))
                 yield RequestOutput(request_id=request_id, prompt=req.prompt,
                                     prompt_token_ids=req.prompt_token_ids,
                                     prompt_logprobs=req.prompt_logprobs if first else None,
-                                    outputs=outs, finished=finished,
+                                    outputs=list(outs.values()), finished=finished,
                                     num_cached_tokens=max(req.num_cached_tokens, 0))
                 first = False
         finally:
             if not finished:  # closed or cancelled early (client gone): free it now
                 with contextlib.suppress(RuntimeError):  # the loop is already stopped
                     self._post("abort", request_id)
+
+    @staticmethod
+    def _merge(outs: dict[int, CompletionOutput], d: _Delta, text: IncrementalText) -> None:
+        """Add delta ``d`` to the output of its completion (several steps may arrive at once)."""
+        new = text.add(d)
+        out = outs.get(d.index)
+        if out is None:
+            outs[d.index] = CompletionOutput(
+                index=d.index, text=new, token_ids=list(d.token_ids),
+                cumulative_logprob=d.cumulative_logprob,
+                logprobs=None if d.logprobs is None else list(d.logprobs),
+                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+            return
+        out.text += new
+        out.token_ids += d.token_ids
+        if d.logprobs is not None:
+            out.logprobs += d.logprobs
+        out.cumulative_logprob = d.cumulative_logprob
+        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
@@ -280,6 +305,7 @@ class AsyncLLM:
             rid = eng._owner.get(req.request_id)
             if rid is not None:
                 touched.setdefault(rid, {})[req.request_id] = req
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, children in touched.items():
             group = eng._groups[rid]
             deltas = [self._delta(r) for r in children.values()]
@@ -287,11 +313,14 @@ class AsyncLLM:
             stream = self._streams.get(rid)
             if stream is not None:
                 loop, queue = stream
-                with contextlib.suppress(RuntimeError):  # its event loop is closed
-                    loop.call_soon_threadsafe(queue.put_nowait, (group[0], deltas, done))
+                deliveries.setdefault(loop, []).append((queue, (group[0], deltas, done)))
             if done:
                 self._streams.pop(rid, None)
                 eng.pop(rid)
+        for loop, items in deliveries.items():
+            # NOTE: one wake-up of each event loop per step, not one per request.
+            with contextlib.suppress(RuntimeError):  # that event loop is closed
+                loop.call_soon_threadsafe(_deliver, items)
         if self.trace is not None:
             sch = self.llm.scheduler
             self.trace(self.num_steps - 1, [r.request_id for r in sch.running],
