@@ -53,6 +53,13 @@ class _Delta:
     final_text: str | None          # the engine's text once finished (stop strings cut)
     cumulative_logprob: float | None
 
+    def then(self, later: _Delta) -> _Delta:
+        """This delta followed by ``later`` (of the same completion), as one."""
+        return _Delta(self.index, self.token_ids + later.token_ids,
+                      None if self.logprobs is None else self.logprobs + later.logprobs,
+                      later.finish_reason, later.stop_reason, later.final_text,
+                      later.cumulative_logprob)
+
 
 def _deliver(items) -> None:
     """On the event loop: hand each request's step output to its queue."""
@@ -192,44 +199,31 @@ class AsyncLLM:
                 items = [await queue.get()]
                 while not queue.empty():  # NOTE: a consumer behind by k steps sends one output
                     items.append(queue.get_nowait())
-                outs: dict[int, CompletionOutput] = {}
+                merged: dict[int, _Delta] = {}
                 for item in items:
                     if isinstance(item, BaseException):
                         finished = True  # the engine already dropped it
                         raise item
                     req, deltas, finished = item
                     for d in deltas:
-                        self._merge(outs, d, texts.setdefault(
-                            d.index, IncrementalText(self.tokenizer, params)))
+                        merged[d.index] = merged[d.index].then(d) if d.index in merged else d
+                outs = []
+                for d in merged.values():  # NOTE: one incremental decode per completion
+                    text = texts.setdefault(d.index, IncrementalText(self.tokenizer, params))
+                    outs.append(CompletionOutput(
+                        index=d.index, text=text.add(d), token_ids=d.token_ids,
+                        cumulative_logprob=d.cumulative_logprob, logprobs=d.logprobs,
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason))
                 yield RequestOutput(request_id=request_id, prompt=req.prompt,
                                     prompt_token_ids=req.prompt_token_ids,
                                     prompt_logprobs=req.prompt_logprobs if first else None,
-                                    outputs=list(outs.values()), finished=finished,
+                                    outputs=outs, finished=finished,
                                     num_cached_tokens=max(req.num_cached_tokens, 0))
                 first = False
         finally:
             if not finished:  # closed or cancelled early (client gone): free it now
                 with contextlib.suppress(RuntimeError):  # the loop is already stopped
                     self._post("abort", request_id)
-
-    @staticmethod
-    def _merge(outs: dict[int, CompletionOutput], d: _Delta, text: IncrementalText) -> None:
-        """Add delta ``d`` to the output of its completion (several steps may arrive at once)."""
-        new = text.add(d)
-        out = outs.get(d.index)
-        if out is None:
-            outs[d.index] = CompletionOutput(
-                index=d.index, text=new, token_ids=list(d.token_ids),
-                cumulative_logprob=d.cumulative_logprob,
-                logprobs=None if d.logprobs is None else list(d.logprobs),
-                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-            return
-        out.text += new
-        out.token_ids += d.token_ids
-        if d.logprobs is not None:
-            out.logprobs += d.logprobs
-        out.cumulative_logprob = d.cumulative_logprob
-        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
