@@ -152,11 +152,15 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
         errs = exc.errors()
-        loc = [str(x) for x in errs[0]["loc"] if x != "body"] if errs else []
-        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'] if x != 'body')}: {e['msg']}"
-                        for e in errs)
+
+        def where(e) -> str:  # e.g. "temperature", "messages.0.role"; "body" for bad JSON
+            return ".".join(str(x) for x in e["loc"] if x != "body") if any(
+                isinstance(x, str) and x != "body" for x in e["loc"]) else "body"
+
+        msg = "; ".join(f"{where(e)}: {e['msg']}" for e in errs)
         return JSONResponse(error_body(400, msg or "invalid request body",
-                                       loc[0] if loc else None), status_code=400)
+                                       where(errs[0]).split(".")[0] if errs else None),
+                            status_code=400)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
