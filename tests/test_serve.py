@@ -255,6 +255,29 @@ def test_bad_parameters_are_400_naming_the_field(served, bad, field):
         served["client"].chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
 
 
+BAD_BODIES = [
+    ("completions", "not json", "body"), ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [1, -5]}, "prompt_token_ids"),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "x", "seed": 10**30}, "seed"),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "logprobs": 10**6}, "logprobs"),
+    ("completions", {}, "prompt"), ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "image_url")]
+
+
+@pytest.mark.parametrize("route, body, field", BAD_BODIES)
+def test_bad_bodies_are_400_never_500(served, route, body, field):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    resp = httpx.post(f"{served['base']}/{route}", headers={"Content-Type": "application/json"},
+                      timeout=30, **kw)
+    err = resp.json()["error"]
+    assert resp.status_code == 400 and err["code"] == 400 and err["type"] == "BadRequestError"
+    assert field in err["message"]
+
+
 def test_unknown_model_404_api_key_401_health_metrics_models(served):
     client, engine = served["client"], served["engine"]
     with pytest.raises(openai.NotFoundError):
