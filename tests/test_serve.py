@@ -169,6 +169,19 @@ def test_incremental_text_holds_back_a_stop_string_prefix(served):
         "ab, cd")
 
 
+def test_unset_sampling_fields_take_the_generation_config_defaults():
+    from mrv2.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    qwen3 = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}  # Qwen3's generation_config.json
+    sp = CompletionRequest(prompt="x", temperature=0.2, top_k=0).to_sampling_params(qwen3)
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0.2, 0, 0.95, 16)
+    sp = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                               max_completion_tokens=5, logprobs=True,
+                               top_logprobs=3).to_sampling_params(qwen3)
+    assert (sp.temperature, sp.top_k, sp.max_tokens, sp.logprobs) == (0.6, 20, 5, 3)
+    assert CompletionRequest(prompt="x").to_sampling_params().temperature == 1.0
+
+
 # -- the HTTP server -----------------------------------------------------------------------
 
 

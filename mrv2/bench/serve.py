@@ -4,8 +4,9 @@ Requests arrive as a Poisson process at each ``--request-rate`` (``inf``: all at
 at most ``--max-concurrency`` in flight; each is a streaming ``/v1/completions`` call
 with the workload's random token-id prompt, ``max_tokens`` its output length,
 ``ignore_eos`` (so it generates exactly that many tokens) and ``temperature=0.6`` (the
-offline benchmarks' protocol, ``mrv2.bench.workloads``). Per request, measured on the
-client: TTFT (send -> first content chunk), ITL (gaps between content chunks; a chunk
+offline benchmarks' protocol, ``mrv2.bench.workloads``; ``top_p=1``, ``top_k=0`` so the
+model's generation-config defaults do not apply). Per request, measured on the
+client: TTFT (send -> first chunk with a choice), ITL (gaps between those chunks; a chunk
 may carry several tokens when the server coalesces), TPOT ((e2e - TTFT) / (tokens - 1)),
 e2e; per rate: p50 / p90 / p99 and output tokens/s over the wall time of the rate.
 
@@ -67,8 +68,10 @@ async def _one(client, url: str, payload: dict) -> dict:
                 if data == "[DONE]":
                     break
                 # NOTE: parse JSON only for the usage / error chunks: at tens of thousands of
-                # chunks per second, one client process must not become the bottleneck.
-                if '"text": ""' not in data and '"choices": []' not in data:
+                # chunks per second, one client process must not become the bottleneck. A
+                # chunk with a choice carries tokens (its text may be empty: a partial UTF-8
+                # character, or a dummy model's id outside the tokenizer).
+                if '"choices": [{' in data:
                     rec["chunks"].append(time.perf_counter())
                 elif '"usage": {' in data or '"error"' in data:
                     chunk = json.loads(data)
@@ -109,6 +112,9 @@ async def run_rate(base_url: str, model: str, prompts, output_lens, rate: float,
             await asyncio.sleep(gap)
             payload = {"model": model, "prompt": prompt, "max_tokens": int(n), "stream": True,
                        "temperature": temperature, "ignore_eos": True,
+                       # NOTE: set, or the server applies generation_config.json's top-k 20 /
+                       # top-p 0.95 (Qwen3): the offline benchmarks sample without them.
+                       "top_p": 1.0, "top_k": 0,
                        "stream_options": {"include_usage": True}}
             tasks.append(asyncio.create_task(limited(payload)))
         recs = await asyncio.gather(*tasks)

@@ -142,8 +142,13 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     """
     app = FastAPI(title="mrv2 OpenAI-compatible server")
     app.state.engine = engine
+    from mrv2.generation_config import diff_sampling_params
+
     llm = engine.llm
     created = int(time.time())
+    # NOTE: as vLLM's server: unset sampling fields take generation_config.json's values.
+    defaults = {k: v for k, v in diff_sampling_params(llm.model_path).items()
+                if k != "max_tokens"}
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -202,7 +207,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
 
     async def submit(prompts: list, body) -> tuple[str, list]:
         try:
-            sp = body.to_sampling_params()
+            sp = body.to_sampling_params(defaults)
         except (ValueError, TypeError) as exc:
             raise _bad_input(exc) from None
         base = uuid.uuid4().hex

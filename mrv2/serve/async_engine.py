@@ -61,6 +61,10 @@ class _Delta:
                       later.cumulative_logprob)
 
 
+#: Tokens an incomplete UTF-8 character may hold back before its text is sent as it is.
+_MAX_PENDING = 8
+
+
 def _deliver(items) -> None:
     """On the event loop: hand each request's step output to its queue."""
     for queue, item in items:
@@ -99,7 +103,11 @@ class IncrementalText:
         self.ids += d.token_ids
         window = self._decode(self.ids[self.prefix:])
         before = self._decode(self.ids[self.prefix:self.read])
-        if len(window) > len(before) and not window.endswith("\ufffd"):
+        # NOTE: random tokens (dummy weights) may never complete a UTF-8 character: after
+        # _MAX_PENDING tokens the window is taken as it is, so it cannot grow without bound.
+        pending = len(self.ids) - self.read
+        if len(window) > len(before) and (not window.endswith("\ufffd")
+                                          or pending > _MAX_PENDING):
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
         upto = max(self.sent, len(self.text) - self.hold)

@@ -5,7 +5,9 @@ range check is ``SamplingParams``' own validation layer, so the server and the o
 ``LLM`` refuse exactly the same values with the same messages. Besides OpenAI's fields,
 vLLM's extra sampling fields are accepted (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens``); unknown fields are ignored, as vLLM does.
+``skip_special_tokens``); unknown fields are ignored, as vLLM does. Sampling fields a
+request leaves unset take the model's ``generation_config.json`` values (vLLM's
+``--generation-config auto``).
 """
 
 from __future__ import annotations
@@ -49,8 +51,15 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    def sampling_kwargs(self) -> dict:
-        """The ``SamplingParams`` arguments the request sets (the rest keep their defaults)."""
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict:
+        """The ``SamplingParams`` arguments of the request.
+
+        Args:
+            defaults: the model's ``generation_config.json`` sampling fields
+                (``mrv2.generation_config``), used where the request leaves one unset, as
+                vLLM's server does; the rest keep ``SamplingParams``' defaults.
+        """
+        defaults = defaults or {}
         kw: dict[str, Any] = {"n": self.n, "presence_penalty": self.presence_penalty,
                               "frequency_penalty": self.frequency_penalty,
                               "max_tokens": self.max_tokens, "min_tokens": self.min_tokens,
@@ -59,8 +68,11 @@ class _Sampling(BaseModel):
                               "include_stop_str_in_output": self.include_stop_str_in_output,
                               "skip_special_tokens": self.skip_special_tokens}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if getattr(self, name) is not None:
-                kw[name] = getattr(self, name)
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                kw[name] = value
         if self.logit_bias:
             try:
                 kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
@@ -84,7 +96,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """The request's ``SamplingParams`` (``ValueError``/``TypeError`` naming a field)."""
         if self.echo:
             raise ValueError("echo is not supported")
@@ -92,7 +104,7 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, self.n):
             raise ValueError(f"best_of must equal n (no beam search), got {self.best_of}")
-        return SamplingParams(**self.sampling_kwargs(), logprobs=self.logprobs)
+        return SamplingParams(**self.sampling_kwargs(defaults), logprobs=self.logprobs)
 
     def prompts(self) -> list:
         """One prompt per request: strings or ``{"prompt_token_ids": [...]}``."""
@@ -124,9 +136,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """The request's ``SamplingParams`` (``ValueError``/``TypeError`` naming a field)."""
-        kw = self.sampling_kwargs()
+        kw = self.sampling_kwargs(defaults)
         if self.max_completion_tokens is not None:
             kw["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
