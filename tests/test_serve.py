@@ -255,6 +255,23 @@ def test_n_seed_logprobs_and_token_prompts(served):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_a_list_of_prompts_gives_choices_in_prompt_order(served):
+    client, ref = served["client"], served["refs"]
+    kw = {"model": MODEL, "prompt": [PROMPT, LONG_PROMPT], "max_tokens": 3, "temperature": 0,
+          "n": 2, "stream_options": {"include_usage": True}}
+    kw_full = {k: v for k, v in kw.items() if k != "stream_options"}
+    full, chunks = _parallel(lambda: client.completions.create(**kw_full),
+                             lambda: list(client.completions.create(stream=True, **kw)))
+    texts = [c.text for c in full.choices]
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]  # prompt i, completion j: 2 i + j
+    assert texts == [_stream_text(chunks)[i] for i in range(4)]
+    assert texts[0] == texts[1] and ref["greedy"].outputs[0].text.startswith(texts[0])
+    assert texts[2] == texts[3] and ref["long"].outputs[0].text.startswith(texts[2])
+    n_prompt = len(ref["greedy"].prompt_token_ids) + len(ref["long"].prompt_token_ids)
+    for u in (full.usage, chunks[-1].usage):
+        assert (u.prompt_tokens, u.completion_tokens) == (n_prompt, 12)
+
+
 @pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"),
                                         ({"top_p": 2}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
                                         ({"n": 0}, "n"), ({"extra_body": {"top_k": "x"}}, "top_k"),

@@ -20,6 +20,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from mrv2.serve.async_engine import AsyncLLM
 from mrv2.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -97,10 +98,13 @@ class _Choices:
         return lp
 
 
-async def _merge(streams: list):
-    """``(prompt index, output)`` of several streams as they come (one stream: no tasks)."""
+async def _merge(streams: list, done: set[int]):
+    """``(prompt index, output)`` of several streams as they come (one stream: no tasks);
+    the index of each finished stream goes into ``done``."""
     if len(streams) == 1:
         async for out in streams[0]:
+            if out.finished:
+                done.add(0)
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -123,6 +127,8 @@ async def _merge(streams: list):
             elif isinstance(item, Exception):
                 raise item
             else:
+                if item.finished:
+                    done.add(i)
                 yield i, item
     finally:
         for t in tasks:
@@ -223,6 +229,14 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
 
     async def respond(body, prompts: list, chat: bool):
         base, streams = await submit(prompts, body)
+        done: set[int] = set()  # prompts whose request finished
+
+        def abort_unfinished():
+            # NOTE: a stream cancelled before it ever started has no finally of its own.
+            for i in range(len(streams)):
+                if i not in done:
+                    engine.abort_nowait(f"{base}-{i}")
+
         kind = "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + base
         head = {"id": rid, "object": kind + (".chunk" if body.stream else ""),
@@ -231,12 +245,16 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
         choices, n = _Choices(chat, k), body.n
         prompt_tokens = {}
         if body.stream:
-            return StreamingResponse(_sse(head, streams, choices, n, chat, prompt_tokens, body),
-                                     media_type="text/event-stream")
-        async for i, out in _merge(streams):
-            prompt_tokens[i] = len(out.prompt_token_ids)
-            for comp in out.outputs:
-                choices.add(i * n + comp.index, comp)
+            return StreamingResponse(
+                _sse(head, _merge(streams, done), choices, n, chat, prompt_tokens, body),
+                media_type="text/event-stream", background=BackgroundTask(abort_unfinished))
+        try:
+            async for i, out in _merge(streams, done):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                for comp in out.outputs:
+                    choices.add(i * n + comp.index, comp)
+        finally:
+            abort_unfinished()
         result = []
         for idx in sorted(choices.text):
             reason, stop_reason = choices.finish.get(idx, (None, None))
@@ -283,7 +301,7 @@ def _usage(prompt_tokens: dict, choices: _Choices) -> dict:
             "total_tokens": p + choices.completion_tokens}
 
 
-async def _sse(head, streams, choices: _Choices, n: int, chat: bool, prompt_tokens, body):
+async def _sse(head, merged, choices: _Choices, n: int, chat: bool, prompt_tokens, body):
     """The server-sent events of one streamed response, ``data: [DONE]`` last."""
     def event(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -291,7 +309,7 @@ async def _sse(head, streams, choices: _Choices, n: int, chat: bool, prompt_toke
     usage_null = {"usage": None} if body.include_usage else {}
     started = set()
     try:
-        async for i, out in _merge(streams):
+        async for i, out in merged:
             prompt_tokens[i] = len(out.prompt_token_ids)
             for comp in out.outputs:
                 idx = i * n + comp.index

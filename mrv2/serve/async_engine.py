@@ -230,12 +230,16 @@ class AsyncLLM:
                 first = False
         finally:
             if not finished:  # closed or cancelled early (client gone): free it now
-                with contextlib.suppress(RuntimeError):  # the loop is already stopped
-                    self._post("abort", request_id)
+                self.abort_nowait(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
         await asyncio.wrap_future(self._post("abort", request_id))
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Queue an abort (it runs before the next step); unknown ids are ignored."""
+        with contextlib.suppress(RuntimeError):  # the loop is stopped: nothing to free
+            self._post("abort", request_id)
 
     def stats(self) -> dict:
         """Counters for ``/metrics`` (read without a lock: each value is one atomic read)."""
