@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -146,7 +146,14 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
     Returns:
         The app (``app.state.engine`` is ``engine``).
     """
+    async def check_key(request: Request) -> None:
+        # NOTE: a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware would pass
+        # every streamed chunk through one more task and memory stream.
+        if api_key is not None and request.headers.get("Authorization") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key")
+
     app = FastAPI(title="mrv2 OpenAI-compatible server")
+    v1 = [Depends(check_key)]  # every /v1 route
     app.state.engine = engine
     from mrv2.generation_config import diff_sampling_params
 
@@ -173,18 +180,11 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
                                        where(errs[0]).split(".")[0] if errs else None),
                             status_code=400)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if (api_key is not None and request.url.path.startswith("/v1")
-                and request.headers.get("Authorization") != f"Bearer {api_key}"):
-            return JSONResponse(error_body(401, "invalid or missing API key"), status_code=401)
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "mrv2",
@@ -267,7 +267,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
             result.append(c)
         return {**head, "choices": result, "usage": _usage(prompt_tokens, choices)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest):
         check_model(body.model)
         try:
@@ -276,7 +276,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
             raise _bad_input(exc) from None
         return await respond(body, prompts, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest):
         check_model(body.model)
         from mrv2.chat import render_conversations
