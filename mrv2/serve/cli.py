@@ -49,9 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def build_llm(args):
     """The ``LLM`` of parsed ``serve`` arguments."""
     from mrv2 import LLM
-    from mrv2.cli import _check_engine_args
 
-    _check_engine_args(args)
+    # NOTE: LLM checks every size before it loads anything (a ValueError naming the field).
     return LLM(model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
