@@ -92,6 +92,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         from mrv2.bench.cli import add_arguments
 
         add_arguments(bench)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (FastAPI + uvicorn)",
+                           allow_abbrev=False,
+                           description="Serve a model over OpenAI's HTTP API (AsyncLLM).")
+    from mrv2.serve.cli import add_serve_arguments  # argparse only: no fastapi, no torch
+
+    add_serve_arguments(serve)
     return parser
 
 
@@ -201,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         from mrv2.bench.cli import run
 
         return run(args)
+    if args.cmd == "serve":
+        from mrv2.serve.cli import run_serve
+
+        return run_serve(args)
     try:
         return run_generate(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -9,6 +9,7 @@
     python -m mrv2 bench latency --workload shared-prefix --prefix-caching both  # TTFT on/off
     python -m mrv2 bench latency --speculative ngram --num-speculative-tokens 3 \
         --workload repetitive --sync-accepted-counts   # v2 without / with / with the sync
+    python -m mrv2 bench serve --launch qwen3-0.6b-dummy --request-rate 8,32,inf  # HTTP
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _runner_list(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's arguments."""
-    p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline"],
+    p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline", "serve"],
                    help="throughput / latency (v2 vs v1 vs hf), decode (step time with and "
-                        "without CUDA graphs), timeline (GPU idle with async off and on)")
+                        "without CUDA graphs), timeline (GPU idle with async off and on), "
+                        "serve (streaming clients against an OpenAI server, mrv2/bench/serve.py)")
     p.add_argument("--runner", type=_runner_list, default=None,
                    help="comma list of v2, v1, hf (run one after another in this process; "
                         "default v2,v1,hf, with --speculative only v2)")
@@ -108,6 +110,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "mrv2 runner, written to DIR")
     p.add_argument("--timeline", action="store_true",
                    help="record a per-step CPU/GPU split (mrv2.timeline) for each mrv2 runner")
+    s = p.add_argument_group("serve (python -m mrv2 bench serve)")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    s.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per rate (default: the workload's)")
+    s.add_argument("--request-rate", default="inf",
+                   help="comma list of requests/s (Poisson arrivals; inf: all at once)")
+    s.add_argument("--max-concurrency", type=int, default=256, help="most requests in flight")
+    s.add_argument("--warmup-prompts", type=int, default=16,
+                   help="requests (16 tokens each) sent once before the timed rates")
+    s.add_argument("--launch", default=None, metavar="MODEL",
+                   help="start 'python -m mrv2 serve MODEL' first (qwen3-0.6b-dummy: the "
+                        "Qwen3-0.6B config with dummy weights), stop it at the end")
+    s.add_argument("--launch-args", default=None,
+                   help="more serve flags for --launch, one quoted string")
+    s.add_argument("--vocab-size", type=int, default=1000,
+                   help="token ids of the prompts, if the server does not say its vocabulary")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -151,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     )
     from mrv2.bench.suite import run_latency, run_throughput
 
+    if args.kind == "serve":  # an HTTP client: mrv2/bench/serve.py
+        from mrv2.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
     if args.kind in ("decode", "timeline"):  # step-level figures (bench/steps.py)
         from mrv2.bench.steps import run as run_steps
 

@@ -1,0 +1,94 @@
+"""``python -m mrv2 serve [MODEL]``: flags (argparse only: ``--help`` stays fast) and the runner.
+
+    python -m mrv2 serve                                  # the embedded tiny Qwen3
+    python -m mrv2 serve PATH --load-format dummy --port 8000 --api-key K
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
+
+FastAPI, uvicorn and the model load only when the command runs (``pip install -e
+".[serve]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's arguments (vLLM's names)."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder (default: the embedded tiny Qwen3)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as model (default: MODEL, or the embedded "
+                        "model's folder name)")
+    e = p.add_argument_group("engine (LLM arguments)")
+    e.add_argument("--tokenizer", default=None)
+    e.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto",
+                   help="dummy: random weights of the config's shape (benchmarks)")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--cudagraph-mode", choices=("FULL", "FULL_DECODE_ONLY", "NONE"), default=None)
+    e.add_argument("--no-enable-prefix-caching", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+
+
+def build_llm(args):
+    """The ``LLM`` of parsed ``serve`` arguments."""
+    from mrv2 import LLM
+
+    # NOTE: LLM checks every size before it loads anything (a ValueError naming the field).
+    return LLM(model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+               seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+               num_gpu_blocks_override=args.num_gpu_blocks_override,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes, load_format=args.load_format,
+               enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
+               enable_prefix_caching=not args.no_enable_prefix_caching,
+               async_scheduling=False if args.no_async_scheduling else None)
+
+
+def served_name(args, llm) -> str:
+    return args.served_model_name or args.model_flag or args.model or llm.model_path.name
+
+
+def run_serve(args) -> int:
+    """Load the model, start ``AsyncLLM`` and serve it with uvicorn until interrupted."""
+    try:
+        import uvicorn
+
+        from mrv2.serve.api_server import create_app
+        from mrv2.serve.async_engine import AsyncLLM
+    except ImportError as exc:
+        print(f"python -m mrv2 serve: error: {exc.name} is missing: pip install -e '.[serve]'",
+              file=sys.stderr)
+        return 2
+    try:
+        llm = build_llm(args)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"python -m mrv2 serve: error: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncLLM(llm)
+    name = served_name(args, llm)
+    app = create_app(engine, name, api_key=args.api_key)
+    print(f"[serve] {name} on http://{args.host}:{args.port}/v1 ({llm.device}, {llm.dtype})",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
