@@ -214,8 +214,7 @@ def test_llm_rejects_bad_tensor_parallel_size_before_spawning(kwargs, match, mon
 
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo? Deny thy father",
-           "First Citizen:\nBefore we proceed any further, hear me speak. All: Speak, speak.",
-           "KING HENRY:\nOnce more unto the breach", "To be, or not to be", "MERCUTIO:\n"]
+           "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be"]
 
 
 def _compare_logprobs(a, b):
@@ -232,14 +231,15 @@ def _compare_logprobs(a, b):
 
 @pytest.mark.slow
 def test_tp2_equals_tp1_embedded_with_chunked_prefill_and_preemption():
-    """2 KV heads: one per rank. A 16-token budget chunks the long prompts; a 10-block pool
-    of 8 tokens (4 rows) preempts. Greedy and seeded rows, with logprobs of both kinds."""
-    kw = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 16,
-          "num_gpu_blocks_override": 12, "block_size": 8}
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+    """2 KV heads: one per rank. A 16-token budget chunks the 17- and 19-token prompts; a
+    pool of 9 blocks x 8 tokens for 4 rows preempts. Greedy and seeded rows, with logprobs
+    (prompt logprobs on the greedy ones)."""
+    kw = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+          "num_gpu_blocks_override": 9, "block_size": 8}
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
                              prompt_logprobs=2),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12,
-                             ignore_eos=True, logprobs=2)] * 3
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8,
+                             ignore_eos=True, logprobs=2)] * 2
     ref = LLM(**kw)
     want = ref.generate(PROMPTS, params, use_tqdm=False)
     assert ref.scheduler.num_preemptions > 0
@@ -301,6 +301,10 @@ def test_killed_worker_makes_generate_raise(tiny_1kv):
     assert len(llm.generate(prompts, sp, use_tqdm=False)[0].outputs[0].token_ids) == 4
     (pid,) = llm.runner.worker_pids
     os.kill(pid, signal.SIGKILL)
+    for _ in range(200):  # until it is dead (a zombie: its pipe closed), not yet reaped
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z":
+            break
+        time.sleep(0.05)
     _assert_raises_soon(llm, prompts, sp, 15)
     _assert_reaped([pid])
     with pytest.raises(TPWorkerError, match="exited with code -9"):

@@ -239,8 +239,11 @@ class TPExecutor(RunnerInterface):
 
     def _describe_failure(self, when: str, grace: float = 0.0) -> str:
         """Which ranks died (exit codes) and the tracebacks they sent."""
-        if grace:  # a collective failed because a peer died: let the OS report the death
-            mpc.wait([p.sentinel for p in self._procs], timeout=grace)
+        deadline = time.monotonic() + grace
+        for p in self._procs:  # a collective failed because a peer died: let the OS tell us
+            # NOTE: join, not the sentinel alone: a killed process closes its pipes (and
+            # sockets) before it can be reaped, and exitcode reads None until then.
+            p.join(max(0.0, deadline - time.monotonic()))
         dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
                 for r, p in enumerate(self._procs, 1) if p.exitcode is not None]
         for r, conn in enumerate(self._conns, 1):

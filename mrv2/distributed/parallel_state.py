@@ -83,6 +83,8 @@ def init_tensor_parallel(rank: int, world_size: int, port: int, device: torch.de
         raise RuntimeError("torch.distributed is already initialised in this process: one "
                            "tensor-parallel LLM per process (call shutdown() on the other)")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # NCCL binds one indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     backend = backend_for(device)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
