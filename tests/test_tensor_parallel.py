@@ -259,7 +259,7 @@ def test_tp2_equals_tp1_embedded_with_chunked_prefill_and_preemption():
 
 def test_tp2_equals_tp1_one_kv_head_replicated(tiny_1kv):
     """1 KV head on 2 ranks (replicated), vocab 301 (padded shards), biases, untied
-    lm_head; a 12-token budget chunks the prompts."""
+    lm_head; a 12-token budget chunks the prompts. Whole logprob rows compared: the logits."""
     kw = {"max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 12,
           "skip_tokenizer_init": True}
     prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(0, 301, (n,),
@@ -267,8 +267,9 @@ def test_tp2_equals_tp1_one_kv_head_replicated(tiny_1kv):
                for n, g in ((3, torch.Generator().manual_seed(1)),
                             (20, torch.Generator().manual_seed(2)),
                             (9, torch.Generator().manual_seed(3)))]
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3,
-                        prompt_logprobs=3)
+    # -1: the full vocabulary, i.e. every logit (up to the row's log-sum-exp)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=-1,
+                        prompt_logprobs=-1)
     want = LLM(str(tiny_1kv), **kw).generate(prompts, sp, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in want}) == 3     # varied output
     llm = LLM(str(tiny_1kv), tensor_parallel_size=2, **kw)
@@ -278,6 +279,7 @@ def test_tp2_equals_tp1_one_kv_head_replicated(tiny_1kv):
         got = llm.generate(prompts, sp, use_tqdm=False)
         for a, b in zip(want, got):
             _compare_logprobs(a, b)
+            assert all(len(e) == 301 for e in b.outputs[0].logprobs)      # whole rows
     finally:
         llm.shutdown()
     _assert_reaped(pids)
