@@ -332,3 +332,16 @@ def test_worker_killed_mid_generation_raises_in_bounded_time(tiny_1kv):
         llm.shutdown()
     _assert_reaped([pid])
 
+
+
+def test_broken_checkpoint_fails_construction_and_stops_the_workers(tiny_1kv, tmp_path):
+    """Every rank fails to read the file: LLM raises the loader's ValueError, and the
+    spawned worker does not outlive the failed construction."""
+    (tmp_path / "config.json").write_text((tiny_1kv / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = _child_pids()
+    with pytest.raises(ValueError, match="cannot read safetensors file"):
+        LLM(str(tmp_path), tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=64)
+    for pid in _child_pids() - before:  # only multiprocessing's resource tracker may be new
+        assert b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    _assert_reaped([])

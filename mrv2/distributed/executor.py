@@ -118,7 +118,7 @@ class TPExecutor(RunnerInterface):
             self._wait_all("loaded", spec.timeout)
             ps.init_tensor_parallel(0, spec.tp_size, spec.port, self.device, spec.timeout)
         except BaseException:
-            self.shutdown()
+            self.shutdown(wait=False)
             raise
 
     @classmethod
@@ -152,7 +152,7 @@ class TPExecutor(RunnerInterface):
                                        self.device)
             self._wait_all("ready", self.spec.timeout)
         except BaseException:
-            self.shutdown()
+            self.shutdown(wait=False)
             raise
 
     def _wait_all(self, tag: str, timeout: float) -> None:
@@ -234,7 +234,7 @@ class TPExecutor(RunnerInterface):
     def _fail(self, when: str) -> TPWorkerError:
         """Describe what broke, shut the group down, and return the error to raise."""
         self._error = self._describe_failure(when, grace=2.0)
-        self.shutdown()
+        self.shutdown(wait=False)  # the others may wait inside a collective: no clean exit
         return TPWorkerError(self._error)
 
     def _describe_failure(self, when: str, grace: float = 0.0) -> str:
@@ -260,8 +260,16 @@ class TPExecutor(RunnerInterface):
                "may be stopped inside different collectives); create a new LLM.")
         return msg + ("\n" + "\n".join(tracebacks) if tracebacks else "")
 
-    def shutdown(self) -> None:
-        """Stop the workers (no zombie left) and leave the group; idempotent."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the workers (no zombie left) and leave the group; idempotent.
+
+        Args:
+            wait: let each worker finish and exit on its own (up to 10 s); ``False``
+                terminates them at once (a failed start-up: they are not listening).
+        """
+        if not wait:
+            for p in self._procs:
+                p.terminate()
         self._finalizer()  # runs _stop_workers once (also at exit, or when collected)
         if self._error is None:
             self._error = "this tensor-parallel LLM was shut down"
