@@ -87,7 +87,8 @@ class FaultContainment:
         except BaseException as exc:
             self.scheduler.requeue_freed(sched.finished_req_ids)  # maybe never freed
             reqs = self._reset(sched, sched.sampling_req_ids)
-            if not isinstance(exc, Exception):
+            # NOTE: a `fatal` error (a tensor-parallel group that broke) ends the call.
+            if not isinstance(exc, Exception) or getattr(exc, "fatal", False):
                 raise
             self._blame(reqs, exc)
             return None

@@ -26,7 +26,7 @@ from mrv2.sampling_params import ParamLimits, SamplingParams
 from mrv2.scheduler import Scheduler
 
 # vLLM engine arguments that mean nothing for a single-device offline runner.
-_IGNORED_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "trust_remote_code": None,
+_IGNORED_ARGS = {"pipeline_parallel_size": 1, "trust_remote_code": None,
                  "swap_space": None, "disable_log_stats": None,
                  "tokenizer_mode": None, "revision": None, "download_dir": None,
                  "enable_chunked_prefill": None, "compilation_config": None}
@@ -74,6 +74,11 @@ class LLM:
         speculative_config: vLLM's dict, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
             (V2 runner only; ``mrv2/spec_decode/``). ``None``: no speculative decoding.
+        tensor_parallel_size: ranks to shard the model over (``mrv2/distributed/``): one
+            process per rank (one GPU each; gloo processes on the CPU), this one is rank 0.
+            1 (the default) is the single-device path, unchanged. Call ``shutdown()`` to
+            stop the workers (also done at exit). NOTE: workers start with the ``spawn``
+            method, so a script creating such an ``LLM`` needs ``if __name__ == "__main__":``.
 
     Every argument is checked before anything is loaded (the sizes against the model's
     ``config.json`` alone). ``llm.llm_engine`` is the ``LLMEngine`` (``mrv2.engine_api``):
@@ -90,7 +95,8 @@ class LLM:
                  async_scheduling: bool | None = None, model_state_cls=None,
                  cudagraph_mode: str | None = None, enable_prefix_caching: bool = True,
                  kv_cache_memory_bytes: int | None = None,
-                 speculative_config: dict | None = None, **kwargs):
+                 speculative_config: dict | None = None, tensor_parallel_size: int = 1,
+                 **kwargs):
         for key, value in kwargs.items():
             if key not in _IGNORED_ARGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
@@ -112,6 +118,10 @@ class LLM:
         if model_state_cls is not None and runner != "v2":
             raise ValueError("model_state_cls needs the V2 runner (runner='v2')")
         spec_config = _spec_config(speculative_config, runner, logits_processors)
+        from mrv2.distributed.executor import TPExecutor, check_tp_args
+
+        check_tp_args(tensor_parallel_size, runner, spec_config, logits_processors)
+        self.tensor_parallel_size, self._tp = tensor_parallel_size, None
         if async_scheduling is None:
             async_scheduling = platform.HAS_CUDA and runner == "v2"
         if cudagraph_mode is None:
@@ -132,6 +142,10 @@ class LLM:
         self.model_path = resolve_model_path(model)
         # Every size check runs on the config alone, before any weight is read.
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        if tensor_parallel_size > 1:
+            from mrv2.distributed.layers import check_tp_size
+
+            check_tp_size(self.hf_config, tensor_parallel_size)
         max_pos = getattr(self.hf_config, "max_position_embeddings", 4096)
         max_model_len = max_model_len or max_pos
         if max_model_len > max_pos:
@@ -144,9 +158,14 @@ class LLM:
                                         gpu_memory_utilization=gpu_memory_utilization)
         self._check_pool(self.cache_config.num_gpu_blocks or self._auto_num_blocks())
         torch.manual_seed(seed)
-        self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
-                                                load_format=load_format, seed=seed,
-                                                hf_config=self.hf_config)
+        if tensor_parallel_size > 1:  # spawns the workers; rank 0's shard is self.model
+            self._tp = TPExecutor.for_llm(self, load_format, seed, enforce_eager,
+                                          model_state_cls, cudagraph_mode == "FULL")
+            self.model = self._tp.model
+        else:
+            self.model, self.hf_config = load_model(self.model_path, self.dtype, self.device,
+                                                    load_format=load_format, seed=seed,
+                                                    hf_config=self.hf_config)
         self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or self.model_path)
         if not platform.HAS_CUDA:
             from mrv2.cpu_defaults import apply_cpu_threads
@@ -165,10 +184,14 @@ class LLM:
         extra["prefill_graphs"] = cudagraph_mode == "FULL"
         if spec_config is not None:
             extra["speculative_config"] = spec_config
-        self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
-                                  self.cache_config, num_blocks, self.device, self.dtype,
-                                  enforce_eager=enforce_eager,
-                                  logits_processors=logits_processors, **extra)
+        if self._tp is not None:
+            self._tp.start_runners(num_blocks)
+            self.runner = self._tp
+        else:
+            self.runner = ModelRunner(self.model, self.hf_config, self.scheduler_config,
+                                      self.cache_config, num_blocks, self.device, self.dtype,
+                                      enforce_eager=enforce_eager,
+                                      logits_processors=logits_processors, **extra)
         self.runner.capture_cuda_graphs()  # a no-op on the CPU or with enforce_eager
         self.kv_manager = KVCacheManager(num_blocks, block_size,
                                          enable_caching=bool(enable_prefix_caching))
@@ -224,8 +247,14 @@ class LLM:
     # -- set-up -----------------------------------------------------------------
 
     def _kv_bytes_per_block(self) -> int:
-        return ModelState.kv_bytes_per_block(self.hf_config, self.cache_config.block_size,
-                                             self.dtype)
+        # Tensor parallel: a rank's pool holds its KV heads only (its local config's).
+        config = self.hf_config if self._tp is None else self._tp.local_config
+        return ModelState.kv_bytes_per_block(config, self.cache_config.block_size, self.dtype)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave their group (a no-op at TP=1)."""
+        if self._tp is not None:
+            self._tp.shutdown()
 
     def _auto_num_blocks(self) -> int:
         """Blocks for the KV pool: what the memory budget allows, at most what the limits need."""

@@ -143,11 +143,19 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"{path} has no *.safetensors weight file")
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
-    """An uninitialised model on ``device`` in ``dtype`` (the RoPE cache stays fp32)."""
+def build_model(hf_config, dtype: torch.dtype, device: torch.device,
+                prepare=None) -> Qwen3ForCausalLM:
+    """An uninitialised model on ``device`` in ``dtype`` (the RoPE cache stays fp32).
+
+    Args:
+        prepare: called on the model while it is on the meta device, before allocation
+            (tensor parallelism swaps in its parallel modules there); ``None``: nothing.
+    """
     architecture_of(hf_config)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(hf_config)
+        if prepare is not None:
+            prepare(model)
     # meta -> dtype is free; to_empty allocates once. NOTE: to_empty unties shared weights.
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
@@ -179,12 +187,36 @@ def _open_safetensors(f: Path):
                              f"truncated?): {e}") from None
 
 
-def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
+def _expected_shape(param: torch.Tensor, spec) -> tuple[int, ...]:
+    """The checkpoint shape of a parameter that holds the slice ``spec`` of it."""
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full
+    return tuple(shape)
+
+
+def _copy_shard(param: torch.Tensor, sf_slice, spec) -> None:
+    """Copy rows ``[start, stop)`` of ``spec.dim`` (read alone from the file) into ``param``;
+    rows past the tensor's end (vocabulary padding) are zeroed."""
+    n = min(spec.stop, spec.full) - spec.start
+    index = (slice(None),) * spec.dim + (slice(spec.start, spec.start + n),)
+    param.narrow(spec.dim, 0, n).copy_(sf_slice[index])
+    if n < param.shape[spec.dim]:
+        param.narrow(spec.dim, n, param.shape[spec.dim] - n).zero_()
+
+
+def load_weights(model: nn.Module, files: list[Path], tied: bool, shard=None) -> None:
     """Check every tensor's name and shape first (headers only), then copy them in.
+
+    Args:
+        shard: tensor parallelism: ``shard(name)`` gives the slice of tensor ``name`` this
+            rank holds (a ``mrv2.distributed.layers.Shard``: ``dim, start, stop, full``) or
+            ``None`` (the whole tensor); only that slice is read from the file.
 
     Raises:
         ValueError: a missing tensor, an unexpected tensor or a shape mismatch, named.
     """
+    specs = {}
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed
     where: dict[str, Path] = {}
     for f in files:
@@ -198,10 +230,12 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
                 if name in where:
                     raise ValueError(f"tensor {name!r} appears in both {where[name].name} "
                                      f"and {f.name}")
-                shape = tuple(sf.get_slice(name).get_shape())
-                if shape != tuple(params[name].shape):
+                spec = specs[name] = None if shard is None else shard(name)
+                shape, expected = (tuple(sf.get_slice(name).get_shape()),
+                                   _expected_shape(params[name], spec))
+                if shape != expected:
                     raise ValueError(f"tensor {name!r} has shape {shape} in {f.name}, expected "
-                                     f"{tuple(params[name].shape)}")
+                                     f"{expected}")
                 where[name] = f
     missing = sorted(set(params) - set(where))
     if missing:
@@ -211,7 +245,9 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
         for f in files:
             with _open_safetensors(f) as sf:
                 for name in sf.keys():  # noqa: SIM118
-                    if name in where:
+                    if name in where and specs[name] is not None:
+                        _copy_shard(params[name], sf.get_slice(name), specs[name])
+                    elif name in where:
                         params[name].copy_(sf.get_tensor(name))  # casts to dtype/device
 
 
@@ -232,7 +268,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device | None = None, load_format: str = "auto",
-               hf_config=None, seed: int = 0) -> tuple[nn.Module, object]:
+               hf_config=None, seed: int = 0, prepare=None,
+               shard=None) -> tuple[nn.Module, object]:
     """Build the model and load its weights.
 
     Args:
@@ -244,6 +281,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         hf_config: a config object to use instead of the folder's ``config.json``
             (with ``load_format="dummy"``, ``model`` may then be ``None``).
         seed: seeds the dummy weights.
+        prepare, shard: tensor parallelism (``mrv2.distributed``): ``prepare`` of
+            :func:`build_model`, ``shard`` of :func:`load_weights`; ``hf_config`` is then
+            the rank's (narrower) config.
 
     Returns:
         ``(model in eval mode, hf_config)``.
@@ -261,11 +301,12 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         hf_config = AutoConfig.from_pretrained(path)
     architecture_of(hf_config)
     files = weight_files(path) if load_format != "dummy" else []  # fail before allocating
-    net = build_model(hf_config, dtype, device)
+    net = build_model(hf_config, dtype, device, prepare=prepare)
     if load_format == "dummy":
         init_dummy_weights(net, seed, std=getattr(hf_config, "initializer_range", 0.02))
     else:
-        load_weights(net, files, tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+        load_weights(net, files, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                     shard=shard)
     return net.eval(), hf_config
 
 
