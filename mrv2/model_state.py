@@ -133,7 +133,15 @@ class ModelState:
         self.graphs = graphs
 
     def run(self, batch: InputBatch, graph_size: GraphKey | None = None) -> torch.Tensor:
-        """The step's hidden states ``[T_pad, hidden]``: graph replay or eager forward."""
-        if graph_size is not None and self.graphs is not None and graph_size in self.graphs.graphs:
-            return self.graphs.replay(graph_size)
-        return self.forward(batch.input_ids, batch.positions, self.prepare_attn(batch))
+        """The step's hidden states ``[T_pad, hidden]``: graph replay or eager forward.
+
+        A padded batch (``graph_size`` given) whose graph was not captured runs eagerly with
+        the graph's bounds: the computation the graph would replay (``emulate`` on the CPU).
+        """
+        def eager() -> torch.Tensor:
+            return self.forward(batch.input_ids, batch.positions,
+                                self.prepare_attn(batch, graph_size))
+
+        if graph_size is None or self.graphs is None:
+            return eager()
+        return self.graphs.run(graph_size, eager)

@@ -28,7 +28,7 @@ import torch
 from mrv2.async_output import AsyncOutput
 from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
-from mrv2.cuda_graphs import CudaGraphManager, capture_sizes, graph_shape, prefill_capture_sizes
+from mrv2.cuda_graphs import graph_shape, make_graph_manager
 from mrv2.input_batch import InputBatch, InputBuffers, prepare_input_batch
 from mrv2.kv_cache import cdiv
 from mrv2.model_state import ModelState
@@ -92,10 +92,9 @@ class ModelRunner(RunnerInterface):
         self.prompt_logprobs = PromptLogprobsAccumulator(self.model_state.compute_logits)
         self.timeline = None  # a mrv2.timeline.Timeline, set by the engine when recording
         use_graphs = self.device.type == "cuda" and not enforce_eager
-        self.cuda_graphs = CudaGraphManager(
-            capture_sizes(self.max_num_reqs) if use_graphs else [],
-            prefill_capture_sizes(self.max_num_reqs, self.max_num_tokens)
-            if use_graphs and prefill_graphs else [])
+        self.cuda_graphs = make_graph_manager(
+            self.max_num_reqs, self.max_num_tokens, use_graphs, prefill_graphs,
+            num_speculative_tokens=0 if self.spec is None else self.spec.k)
 
     @property
     def spec_decode_stats(self):
@@ -106,6 +105,8 @@ class ModelRunner(RunnerInterface):
         """Capture the forward pass at every graph key (a no-op without graphs)."""
         if self.cuda_graphs.enabled:
             self.model_state.capture_cuda_graphs(self.cuda_graphs, self._dummy_batch, progress)
+            if self.spec is not None:  # the draft model's own graphs (same keys)
+                self.spec.capture_cuda_graphs(self, self._dummy_batch, progress)
 
     def _dummy_batch(self, size) -> InputBatch:
         """An all-padding batch of a graph key's shape in the static buffers."""
@@ -151,8 +152,10 @@ class ModelRunner(RunnerInterface):
             num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
             num_reqs = len(rows)
             # A uniform decode batch replays the CUDA graph of the next captured size, a
-            # small prefill / mixed batch the smallest prefill graph that holds it.
-            graph_size = self.cuda_graphs.graph_for(num_reqs, sched.total_num_scheduled_tokens)
+            # speculating one (1 + K tokens each) a speculating decode graph, a small
+            # prefill / mixed batch the smallest prefill graph that holds it.
+            graph_size = self.cuda_graphs.graph_for(num_reqs, sched.total_num_scheduled_tokens,
+                                                    max(num_scheduled))
             reqs_pad, tokens_pad, _ = (graph_shape(graph_size) if graph_size is not None
                                        else (None, None, None))
             batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
@@ -162,18 +165,21 @@ class ModelRunner(RunnerInterface):
         with self._phase("forward"):
             hidden = self.model_state.run(batch, graph_size)                  # [T_pad, hidden]
         with self._phase("sample"):
-            out = self._sample(batch, rows, num_scheduled, hidden, sched.num_spec_tokens)
+            out = self._sample(batch, rows, num_scheduled, hidden, sched.num_spec_tokens,
+                               graph_size)
         if self.timeline is not None:
             self.timeline.gpu_mark("end")
         return out
 
     def _sample(self, batch: InputBatch, rows: list[int], num_scheduled: list[int],
-                hidden: torch.Tensor, num_spec_tokens: dict | None = None) -> AsyncOutput:
+                hidden: torch.Tensor, num_spec_tokens: dict | None = None,
+                graph_size=None) -> AsyncOutput:
         """Logits rows -> sampler -> append the samples (or verify the drafts).
 
         Without speculation each request gives one logits row, its last token's; with it,
         every query token of a speculating request gives one (``N >= B`` rows;
-        ``mrv2/spec_decode/verify_step.py``)."""
+        ``mrv2/spec_decode/verify_step.py``); ``graph_size`` is the step's graph key (the
+        draft model replays its own graph of that key)."""
         num_reqs = batch.num_reqs
         logits_indices = batch.logits_indices[:num_reqs]
         idx_mapping = batch.idx_mapping[:num_reqs]
@@ -188,7 +194,7 @@ class ModelRunner(RunnerInterface):
             verified, logprobs = self.spec.verify(self, batch, spec_rows, logits, rows)
             prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
             return self.spec.finish(self, batch, spec_rows, verified, logprobs,
-                                    prompt_logprobs, rows)
+                                    prompt_logprobs, rows, graph_size)
         out = self.sampler(logits, idx_mapping, positions, rows, self.state)
         prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,

@@ -23,7 +23,27 @@ verification draws its uniforms and residual noise from streams 1 and 2.
 Everything is on the device; the only CPU input is each slot's KV capacity (allocated
 blocks x block size): a chained step past it writes nothing (a worse draft, never a
 wrong output, since verification is exact). The scheduler allocates K lookahead slots so
-that this rarely happens. Eager only (no CUDA graphs yet).
+that this rarely happens.
+
+**CUDA graphs.** The draft's ``1 + K`` forward passes per target step are hundreds of tiny
+launches, several times the target's own step when run eagerly. With graphs on, the
+proposer holds two ``CudaGraphManager`` of its own (``capture_cuda_graphs``):
+
+* the **mirror** replays the draft's graph of the very key the target step replayed
+  (decode, speculating decode or prefill): the same static input buffers, so the padded
+  batch the target saw is the padded batch the draft sees;
+* the **chain** is one graph per decode batch size holding the *whole* K-step loop:
+  gathers from the state rows, slot mappings, K forwards, the sampler and, with
+  ``keep_probs``, the q writes. Its static inputs are the runner's ``idx_mapping``, the
+  gathered block table, the state table and this proposer's capacity buffer; padding
+  slots get capacity 0, so they write no KV, no q (a scratch row) and draft -1. The
+  sampling flags of the batch would change the kernels, so the graph always samples the
+  general way (top-k / top-p / min-p filter, then Gumbel-max: a greedy row's argmax),
+  right for every batch; the eager path keeps the batch's flags.
+
+A batch larger than every graph runs eagerly, as on the CPU. The pattern (a manager per
+proposer, ``capture(prepare, forward)`` once, ``run(key, eager)`` per step, padding
+slots neutralised by a device-side mask) is what another proposer (EAGLE) reuses.
 """
 
 from __future__ import annotations
@@ -31,11 +51,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mrv2.cuda_graphs import CudaGraphManager
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
 from mrv2.model_state import ModelState
 from mrv2.sample import SamplingMetadata
 from mrv2.state import to_device_async
+
+#: The chain graph's sampling flags: the general path, right for any batch (see above).
+GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
 
 
 class DraftModelProposer:
@@ -70,13 +94,53 @@ class DraftModelProposer:
         self.device = torch.device(device)
         self.keep_probs = keep_probs
         self.vocab_size = target_vocab_size
-        self.probs: torch.Tensor | None = None  # [R, K, V] float32, made at the first propose
+        self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32; row R: scratch
+        self.graphs: CudaGraphManager | None = None        # the mirror's, by target key
+        self.chain_graphs: CudaGraphManager | None = None  # the K-step loop's, by batch size
+        self._capacity: torch.Tensor | None = None         # [max_num_reqs] int64, static
+        self._query_start_loc: torch.Tensor | None = None  # [max_num_reqs + 1] int32 arange
 
     def _probs_buffer(self, state) -> torch.Tensor:
-        if self.probs is None:  # one q [K, V] per state row (the drafts' rows)
-            self.probs = torch.zeros(*state.draft_token_ids.shape, self.vocab_size,
+        if self.probs is None:  # one q [K, V] per state row (the drafts' rows) + scratch
+            num_rows, k = state.draft_token_ids.shape
+            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
                                      dtype=torch.float32, device=self.device)
         return self.probs
+
+    def _static_buffers(self, runner) -> None:
+        if self._capacity is None:
+            n = runner.max_num_reqs
+            self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        if self.keep_probs:
+            self._probs_buffer(runner.state)
+
+    def capture_cuda_graphs(self, runner, make_dummy_batch, k: int,
+                            progress: bool = False) -> None:
+        """Capture the mirror at every key of the target and the K-step loop per size.
+
+        Args:
+            runner: the ``ModelRunner`` whose ``cuda_graphs`` gives the keys (and
+                ``emulate``); its static buffers are the graphs' inputs.
+            make_dummy_batch: writes an all-padding batch of a key's shape (the runner's).
+            k: K.
+            progress: show a progress bar.
+        """
+        target = runner.cuda_graphs
+        self._static_buffers(runner)
+        self.graphs = CudaGraphManager(target.sizes, target.prefill_sizes, target.spec_sizes,
+                                       emulate=target.emulate)
+        self.model_state.capture_cuda_graphs(self.graphs, make_dummy_batch, progress)
+        self.chain_graphs = CudaGraphManager(target.sizes, emulate=target.emulate)
+
+        def prepare(size: int) -> int:
+            make_dummy_batch(size)   # idx_mapping -> row 0, zeroed block-table rows
+            self._capacity.zero_()   # nothing live: the warm-up writes no KV and no q
+            return size
+
+        self.chain_graphs.capture(
+            prepare, lambda size, _: self._chain(runner, k, size, GRAPH_META, self.max_model_len),
+            progress=progress)
 
     def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
         """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``).
@@ -87,31 +151,50 @@ class DraftModelProposer:
         """
         return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
 
-    def propose(self, batch, runner, k: int, meta: SamplingMetadata) -> torch.Tensor:
+    def propose(self, batch, runner, k: int, meta: SamplingMetadata,
+                graph_size=None) -> torch.Tensor:
         """Mirror the target step, then K chained steps; ``[B, K]`` int32 drafts.
 
         Args:
             batch: the target step's ``InputBatch`` (its buffers still hold its inputs).
             runner: the ``ModelRunner`` (state table, block tables, sampler).
             k: K.
-            meta: the batch's sampling flags (greedy / top-k-top-p).
+            meta: the batch's sampling flags (greedy / top-k-top-p; eager steps only).
+            graph_size: the graph key the target step replayed (``None``: it ran eagerly
+                on an unpadded batch); the mirror replays the draft's graph of that key.
         """
-        state, num_reqs = runner.state, batch.num_reqs
-        md = batch.attn_metadata
+        num_reqs = batch.num_reqs
+        self._static_buffers(runner)
         # 1. The target's inputs, through the draft: its KV for every token of the step.
-        self.model_state.forward(batch.input_ids[:batch.num_tokens],
-                                 batch.positions[:batch.num_tokens],
-                                 _trim(md, batch.num_reqs, batch.num_tokens))
+        self.model_state.run(batch, graph_size)
         # 2. Chained single-token steps from the next token of each row.
-        idx_mapping = batch.idx_mapping[:num_reqs]
-        rows = idx_mapping.long()
+        key = (None if self.chain_graphs is None
+               else self.chain_graphs.padded_size(num_reqs, num_reqs))
+        num_rows = num_reqs if key is None else key
+        capacity = np.zeros(num_rows, dtype=np.int64)                       # [B_pad]
         rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
-        capacity = to_device_async(runner.block_tables.num_blocks[rows_np] * self.block_size,
-                                   self.device)                             # [B]
+        capacity[:num_reqs] = runner.block_tables.num_blocks[rows_np] * self.block_size
+        self._capacity[:num_rows].copy_(to_device_async(capacity, self.device),
+                                        non_blocking=True)
+        if key is None:
+            max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
+            return self._chain(runner, k, num_reqs, meta, max_seq_len)
+        drafts = self.chain_graphs.run(
+            key, lambda: self._chain(runner, k, key, GRAPH_META, self.max_model_len))
+        return drafts[:num_reqs]                                            # [B, K]
+
+    def _chain(self, runner, k: int, num_rows: int, meta: SamplingMetadata,
+               max_seq_len: int) -> torch.Tensor:
+        """The K chained steps over the first ``num_rows`` batch slots (static buffers only:
+        the body of the chain graph); ``[num_rows, K]`` int32 drafts, -1 where not live."""
+        state = runner.state
+        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
+        rows = idx_mapping.long()
+        capacity = self._capacity[:num_rows]                                # [B]
+        query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
+        block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
         start = state.num_computed_tokens[rows].long()                      # [B]
         tok = state.token_ids[rows, start.clamp(max=self.max_model_len - 1)]  # [B]
-        query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
-        max_seq_len = min(md.max_seq_len + k, self.max_model_len)
         temp = state.temperature[rows]                                      # [B]
         drafts, probs = [], []
         for i in range(k):
@@ -119,10 +202,9 @@ class DraftModelProposer:
             live = (pos < self.max_model_len) & (pos < capacity)
             pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
             slots = runner.block_tables.compute_slot_mappings(
-                idx_mapping, query_start_loc, pos32, num_reqs, num_reqs)    # [B]
+                idx_mapping, query_start_loc, pos32, num_rows, num_rows)    # [B]
             step_md = AttentionMetadata(
-                query_start_loc=query_start_loc, seq_lens=pos32 + 1,
-                block_table=batch.block_table[:num_reqs],
+                query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
                 slot_mapping=torch.where(live, slots, -1), max_query_len=1,
                 max_seq_len=max_seq_len)
             hidden = self.model_state.forward(tok.to(torch.int32), pos32, step_md)
@@ -134,8 +216,11 @@ class DraftModelProposer:
             drafts.append(torch.where(live, tok, -1))
             if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
                 probs.append(filtered_probs(logits, temp, tok))             # [B, V]
-        if self.keep_probs and num_reqs:
-            self._probs_buffer(state)[rows] = torch.stack(probs, dim=1)     # [B, K, V]
+        if self.keep_probs and num_rows:
+            buf = self._probs_buffer(state)
+            # NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
+            dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)        # [B]
+            buf[dest] = torch.stack(probs, dim=1)                           # [B, K, V]
         return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]
 
 
@@ -162,9 +247,3 @@ def batch_rows(runner, batch) -> list[int]:
     """The state rows of the batch, on the CPU (the runner knows them)."""
     return [runner.state.row_of(r) for r in batch.req_ids]
 
-
-def _trim(md: AttentionMetadata, num_reqs: int, num_tokens: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        query_start_loc=md.query_start_loc[:num_reqs + 1], seq_lens=md.seq_lens[:num_reqs],
-        block_table=md.block_table[:num_reqs], slot_mapping=md.slot_mapping[:num_tokens],
-        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)

@@ -184,8 +184,24 @@ class SpecDecodeStep:
             logprobs = (ids.view(*shape, -1), lps.view(*shape, -1), ranks.view(shape))
         return verified, logprobs
 
+    def capture_cuda_graphs(self, runner, make_dummy_batch, progress: bool = False) -> None:
+        """The proposer's CUDA graphs (the draft model's; n-gram needs none).
+
+        A model proposer may define ``capture_cuda_graphs(runner, make_dummy_batch, k,
+        progress)``; without it, it runs eagerly (its ``propose`` gets ``graph_size`` all
+        the same).
+
+        Args:
+            runner: the ``ModelRunner`` (its graph keys, buffers and state table).
+            make_dummy_batch: writes an all-padding batch of a graph key's shape.
+            progress: show a progress bar.
+        """
+        capture = getattr(self.draft, "capture_cuda_graphs", None)
+        if capture is not None:
+            capture(runner, make_dummy_batch, self.k, progress)
+
     def finish(self, runner, batch, rows: SpecRows, verified: VerifyOutput, logprobs,
-               prompt_logprobs: dict, req_rows: list[int]) -> AsyncOutput:
+               prompt_logprobs: dict, req_rows: list[int], graph_size=None) -> AsyncOutput:
         """Append the accepted runs, propose the next drafts; the step's output.
 
         Args:
@@ -196,6 +212,7 @@ class SpecDecodeStep:
             logprobs: from ``verify``.
             prompt_logprobs: as for ``AsyncOutput``.
             req_rows: the batch's state rows (CPU ints: the sampling flags are read from them).
+            graph_size: the graph key the target step replayed (``None``: eager).
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping                                     # [B_pad]
@@ -216,7 +233,8 @@ class SpecDecodeStep:
             states = runner.sampler.states
             meta = SamplingMetadata(all_greedy=states.all_greedy(req_rows),
                                     needs_top_k_top_p=states.needs_top_k_top_p(req_rows))
-            next_drafts = self.draft.propose(batch, runner, self.k, meta)
+            next_drafts = self.draft.propose(batch, runner, self.k, meta,
+                                             graph_size=graph_size)
         else:
             next_drafts, _ = ngram_propose(idx_mapping[:num_reqs], state.token_ids,
                                            state.total_len, self.k, cfg.prompt_lookup_min,
