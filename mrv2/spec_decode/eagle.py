@@ -14,17 +14,17 @@ small layer suffices. Per target step, on the device and in stream order:
    come in as the draft model's accepted tokens do: the same step's pass, no bookkeeping.
    The head's output at each request's last valid token (position ``total_len - 2``, the
    pair with the bonus / correction token) gives **draft 1**.
-2. **K - 1 chained single-token steps** (static shapes: batch ``[B]``, the seam for CUDA
-   graphs): the head's own output feature and the last draft go back in at the next
-   position. Each draft is sampled with the target's sampler and (seed, position) noise
+2. **K - 1 chained single-token steps** (``_chain``: static buffers and ``[B]`` shapes,
+   the seam for CUDA graphs): the head's own output feature and the last draft go back in
+   at the next position. Each draft is sampled with the target's sampler and (seed, position) noise
    (coupled drafts, as ``draft_model.py``), keeping q for ``probabilistic`` verification.
 
 The hidden states come from the runner as the tensor ``ModelState.run`` returned (no copy,
 no sync). The head's paged KV cache uses the target's block ids, block tables and state
 rows; the only CPU input is each slot's KV capacity. K forwards per step (the draft model
-needs K + 1). Eager for now: ``_chain_step`` reads and writes only ``[B]``-shaped tensors
-so a graph per padded batch size can capture it (``mrv2/cuda_graphs.py``); the CPU path
-is the same code. See notebooks/09_speculative_decoding.ipynb.
+needs K + 1). Eager for now: ``_chain`` reads only fixed buffers and has ``[B]`` shapes,
+so a graph per padded batch size can capture it exactly as the draft model's chain is
+captured (``mrv2/cuda_graphs.py``); the CPU path is the same code. See notebooks/09_speculative_decoding.ipynb.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class EagleProposer:
         self.max_model_len, self.block_size = max_model_len, block_size
         self.vocab_size = model_dims(target_hf_config).vocab_size
         self.keep_probs = keep_probs
-        self.probs: torch.Tensor | None = None  # [R, K, V] float32, made at the first propose
+        self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32, made at first use
+        self._feat: torch.Tensor | None = None  # the chain's static inputs (_static_buffers)
 
     # -- shared pieces of the target ------------------------------------------------------
 
@@ -97,8 +98,9 @@ class EagleProposer:
     # -- q for probabilistic verification ---------------------------------------------------
 
     def _probs_buffer(self, state) -> torch.Tensor:
-        if self.probs is None:  # one q [K, V] per state row
-            self.probs = torch.zeros(*state.draft_token_ids.shape, self.vocab_size,
+        if self.probs is None:  # one q [K, V] per state row, and a scratch row for padding
+            num_rows, k = state.draft_token_ids.shape
+            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
                                      dtype=torch.float32, device=self.device)
         return self.probs
 
@@ -146,23 +148,20 @@ class EagleProposer:
         last = qsl[:-1] + torch.minimum((total - 2 - first).clamp(min=0), n - 1)  # [B]
         return feats[last], pos[last]
 
-    def _chain_step(self, tok, feat, pos32, slots, block_table, max_seq_len: int):
-        """One chained step on ``[B]``-shaped tensors: ``(features [B, H], logits [B, V])``.
-
-        Static shapes, no host values but ``max_seq_len`` (a bound): the unit a CUDA graph
-        per padded batch size would capture.
-        """
-        b = tok.shape[0]
-        md = AttentionMetadata(
-            query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=tok.device),
-            seq_lens=pos32 + 1, block_table=block_table, slot_mapping=slots,
-            max_query_len=1, max_seq_len=max_seq_len)
-        feat = self._forward(tok.to(torch.int32), feat, pos32, md)           # [B, H]
-        return feat, self.compute_logits(feat)                              # [B, V]
+    def _static_buffers(self, runner) -> None:
+        """The chained steps' inputs, in fixed buffers (``[max_num_reqs]`` rows)."""
+        if self._feat is None:
+            n, hidden = runner.max_num_reqs, self.head.fc.out_features
+            self._feat = torch.zeros(n, hidden, dtype=self.head.fc.weight.dtype,
+                                     device=self.device)                   # [R_max, H]
+            self._tok = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._pos = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
 
     def propose(self, batch, runner, k: int, meta: SamplingMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Mirror the target step, then K - 1 chained steps; ``[B, K]`` int32 drafts.
+        """Mirror the target step (draft 1), then K - 1 chained steps; ``[B, K]`` int32.
 
         Args:
             batch: the target step's ``InputBatch`` (its buffers still hold its inputs).
@@ -174,35 +173,74 @@ class EagleProposer:
         if hidden is None:
             raise ValueError("the EAGLE proposer needs the target's hidden states")
         state, num_reqs = runner.state, batch.num_reqs
+        self._static_buffers(runner)
         idx_mapping = batch.idx_mapping[:num_reqs]
         rows = idx_mapping.long()
         rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
-        capacity = to_device_async(runner.block_tables.num_blocks[rows_np] * self.block_size,
-                                   self.device)                             # [B]
-        temp = state.temperature[rows]                                      # [B]
+        self._capacity[:num_reqs].copy_(to_device_async(
+            runner.block_tables.num_blocks[rows_np] * self.block_size, self.device))
         feat, pos = self.mirror(batch, state, hidden)                       # [B, H], [B]
         logits = self.compute_logits(feat)                                  # [B, V]
-        query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=self.device)
+        if meta.needs_top_k_top_p:
+            logits = logits.float()
+        # NOTE: the token sampled from the pair at p sits at p + 2 (the pair's token is at
+        # p + 1): the target's noise at that position, so coupled drafts.
+        tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)  # [B]
+        if self.keep_probs and num_reqs:
+            q = filtered_probs(logits, state.temperature[rows], tok)        # [B, V]
+            self._probs_buffer(state)[rows, 0] = q
+        if k == 1:
+            return tok.to(torch.int32)[:, None]                             # [B, 1]
+        self._feat[:num_reqs].copy_(feat)
+        self._tok[:num_reqs].copy_(tok)
+        self._pos[:num_reqs].copy_(pos)
         max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
+        later = self._chain(runner, k, num_reqs, meta, max_seq_len)         # [B, K - 1]
+        return torch.cat([tok.to(torch.int32)[:, None], later], dim=1)      # [B, K]
+
+    def _chain(self, runner, k: int, num_rows: int, meta: SamplingMetadata,
+               max_seq_len: int) -> torch.Tensor:
+        """Steps 2 .. K over the first ``num_rows`` batch slots, from the static buffers.
+
+        Every input is a fixed buffer (``_feat``, ``_tok``, ``_pos``, ``_capacity``, the
+        runner's ``idx_mapping`` and gathered block table) and every shape is
+        ``[num_rows]``: the body a CUDA graph per padded batch size can capture, as the
+        draft model's chain is (padding slots: capacity 0, nothing live, nothing written).
+
+        Returns:
+            ``[num_rows, K - 1]`` int32 drafts, -1 where not live.
+        """
+        state = runner.state
+        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
+        rows = idx_mapping.long()
+        capacity = self._capacity[:num_rows]                                # [B]
+        query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
+        block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
+        feat, tok, pos = self._feat[:num_rows], self._tok[:num_rows], self._pos[:num_rows]
+        temp = state.temperature[rows]                                      # [B]
         drafts, probs = [], []
-        tok = live = None  # draft i's token and liveness, from step i - 1
-        for i in range(k):
-            if i > 0:  # a chained step at the next position, from the last draft
-                pos = pos + 1                                               # [B]
-                live = (pos < self.max_model_len) & (pos < capacity)
-                pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
-                slots = runner.block_tables.compute_slot_mappings(
-                    idx_mapping, query_start_loc, pos32, num_reqs, num_reqs)  # [B]
-                feat, logits = self._chain_step(tok, feat, pos32, torch.where(live, slots, -1),
-                                                batch.block_table[:num_reqs], max_seq_len)
+        for _ in range(1, k):
+            pos = pos + 1                                                   # [B]
+            live = (pos < self.max_model_len) & (pos < capacity)
+            pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
+            slots = runner.block_tables.compute_slot_mappings(
+                idx_mapping, query_start_loc, pos32, num_rows, num_rows)    # [B]
+            md = AttentionMetadata(
+                query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
+                slot_mapping=torch.where(live, slots, -1), max_query_len=1,
+                max_seq_len=max_seq_len)
+            # The head's own feature and the last draft, one position on.
+            feat = self._forward(tok.to(torch.int32), feat, pos32, md)       # [B, H]
+            logits = self.compute_logits(feat)                              # [B, V]
             if meta.needs_top_k_top_p:
                 logits = logits.float()
-            # NOTE: the token sampled from the pair at p sits at p + 2 (the pair's token is
-            # p + 1): the target's noise at that position, so coupled drafts.
-            tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)  # [B]
-            drafts.append(tok if i == 0 else torch.where(live, tok, -1))
+            tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)
+            drafts.append(torch.where(live, tok, -1))
             if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
                 probs.append(filtered_probs(logits, temp, tok))             # [B, V]
-        if self.keep_probs and num_reqs:
-            self._probs_buffer(state)[rows] = torch.stack(probs, dim=1)     # [B, K, V]
-        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]
+        if self.keep_probs and num_rows:
+            buf = self._probs_buffer(state)
+            # NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
+            dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)        # [B]
+            buf[dest, 1:] = torch.stack(probs, dim=1)                       # [B, K - 1, V]
+        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K - 1]
