@@ -16,6 +16,10 @@ CARD_PROMPTS = ["JULIET:", "ROMEO:", "KING RICHARD II:", "First Citizen:", "MENE
 def measure_acceptance(head: Path, target: Path, k: int = 3, max_tokens: int = 32) -> dict:
     """Mean accepted length etc. of n-gram, the shipped draft and ``head`` (mrv2, greedy).
 
+    Args:
+        head: the EAGLE head's folder; target: its target's (the draft is ``<target>-draft``).
+        k: num_speculative_tokens; max_tokens: per prompt.
+
     Returns:
         ``{method: SpecDecodeStats.as_dict() + {"steps", "same_tokens"}}`` and
         ``"baseline_steps"``.
@@ -98,6 +102,7 @@ last 10% for validation) and tokenizer; {s['train_windows']} training windows an
 {s['val_windows']} validation windows of {a['seq_len']} tokens (non-overlapping, from the
 start of each split). The target's features are computed once per window
 ({s['feature_seconds']:.0f} s). Loss: cross-entropy of `x_(p+2)` through the shared lm_head
+(labels: {_labels(a)})
 plus {a['feature_weight']:g} x smooth L1 of `f_p` against `h_(p+1)` (EAGLE's feature loss),
 uniform noise U(-{a['feature_noise']:g}, {a['feature_noise']:g}) on the input features,
 unroll {a['unroll']}.
@@ -134,6 +139,12 @@ drafts per speculating request-step (vLLM's definition).
 Re-measure (and rewrite this card) with `python scripts/train_eagle_head.py --card-only`.
 """)
     print(f"wrote {out / 'README.md'}", flush=True)
+
+
+def _labels(args: dict) -> str:
+    if args.get("labels", "tokens") == "target":
+        return "the frozen target's own distribution, EAGLE-1's soft labels"
+    return "the data's next tokens"
 
 
 def _per_pos(st: dict) -> list[float]:

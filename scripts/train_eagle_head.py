@@ -6,7 +6,9 @@ reads) are computed once per window; the head at position ``p`` reads
 ``fc(concat(embed(x_{p+1}), h_p))`` through one Qwen3 decoder layer (no input norm, as in
 EAGLE-1) and its output ``f_p`` is trained to
 
-* predict ``x_{p+2}`` through the target's **shared** lm_head (cross-entropy), and
+* predict ``x_{p+2}`` through the target's **shared** lm_head (cross-entropy against the
+  data's tokens, or with ``--labels target`` against the target's own distribution, as
+  EAGLE-1 does), and
 * regress the target's next feature ``h_{p+1}`` (smooth L1, EAGLE's feature loss),
 
 with small uniform noise on the input features (EAGLE-1's trick against the drift of its
@@ -64,6 +66,9 @@ def parse_args(argv=None):
                    help="weight of the feature regression (smooth L1) beside the CE loss")
     p.add_argument("--feature-noise", type=float, default=0.1,
                    help="uniform noise U(-a, a) added to the input features in training")
+    p.add_argument("--labels", choices=("tokens", "target"), default="tokens",
+                   help="the CE's labels: the data's next tokens, or the frozen target's own "
+                        "distribution at p + 1 (EAGLE-1's soft labels, softmax of lm_head(h))")
     p.add_argument("--unroll", type=int, choices=(1, 2), default=1,
                    help="2: a second pass on the head's own features (chained-step robustness)")
     p.add_argument("--max-train-windows", type=int, default=None,
@@ -203,7 +208,11 @@ def head_losses(head, target, x, feats, args, autocast, train: bool):
         with autocast():
             f = head(emb, h_in).float()                                     # f_p [B, L-1, H]
         logits = target.lm_head(f[:, :-1]).float()                          # -> x_{p+2}
-        ce = F.cross_entropy(logits.flatten(0, 1), x[:, 2:].flatten())
+        if train and args.labels == "target":  # soft labels: the target's own p(x_{p+2})
+            soft = torch.softmax(target.lm_head(feats[:, 1:-1]).float(), dim=-1)
+            ce = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        else:
+            ce = F.cross_entropy(logits.flatten(0, 1), x[:, 2:].flatten())
         feat = F.smooth_l1_loss(f[:, :-1], feats[:, 1:-1])
         ce_sum, feat_sum = ce_sum + ce, feat_sum + feat
         if acc is None:

@@ -22,9 +22,9 @@ small layer suffices. Per target step, on the device and in stream order:
 The hidden states come from the runner as the tensor ``ModelState.run`` returned (no copy,
 no sync). The head's paged KV cache uses the target's block ids, block tables and state
 rows; the only CPU input is each slot's KV capacity. K forwards per step (the draft model
-needs K + 1). Eager for now: ``_chain`` reads only fixed buffers and has ``[B]`` shapes,
-so a graph per padded batch size can capture it exactly as the draft model's chain is
-captured (``mrv2/cuda_graphs.py``); the CPU path is the same code. See notebooks/09_speculative_decoding.ipynb.
+needs K + 1). ``_chain`` reads only fixed buffers and has ``[B]`` shapes, so on a GPU
+``capture_cuda_graphs`` records it once per decode graph size (as the draft model's chain)
+and a step replays the graph of its padded batch; the CPU path is the same code, eager. See notebooks/09_speculative_decoding.ipynb.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from mrv2.spec_decode.config import check_eagle_compatible
 from mrv2.spec_decode.draft_model import batch_rows, filtered_probs
 from mrv2.spec_decode.eagle_head import load_eagle_head
 from mrv2.state import to_device_async
+
+#: The sampling flags a captured chain uses: the general path, right for every row.
+_GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
 
 
 class EagleProposer:
@@ -76,6 +79,7 @@ class EagleProposer:
         self.keep_probs = keep_probs
         self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32, made at first use
         self._feat: torch.Tensor | None = None  # the chain's static inputs (_static_buffers)
+        self.chain_graphs = None  # a CudaGraphManager of the chain (capture_cuda_graphs)
 
     # -- shared pieces of the target ------------------------------------------------------
 
@@ -159,7 +163,7 @@ class EagleProposer:
             self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
             self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
 
-    def propose(self, batch, runner, k: int, meta: SamplingMetadata,
+    def propose(self, batch, runner, k: int, meta: SamplingMetadata, graph_size=None,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Mirror the target step (draft 1), then K - 1 chained steps; ``[B, K]`` int32.
 
@@ -168,6 +172,8 @@ class EagleProposer:
             runner: the ``ModelRunner`` (state table, block tables, sampler).
             k: K.
             meta: the batch's sampling flags (greedy / top-k-top-p).
+            graph_size: the target step's graph key (unused: the mirror runs eagerly; the
+                draft model's signature).
             hidden: ``[>= T, H]`` the target's hidden states of this step (on the device).
         """
         if hidden is None:
@@ -194,9 +200,48 @@ class EagleProposer:
         self._feat[:num_reqs].copy_(feat)
         self._tok[:num_reqs].copy_(tok)
         self._pos[:num_reqs].copy_(pos)
-        max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
-        later = self._chain(runner, k, num_reqs, meta, max_seq_len)         # [B, K - 1]
+        key = (None if self.chain_graphs is None
+               else self.chain_graphs.padded_size(num_reqs, num_reqs))
+        if key is None:
+            max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
+            later = self._chain(runner, k, num_reqs, meta, max_seq_len)     # [B, K - 1]
+        else:  # padding slots: capacity 0, nothing live (their drafts are dropped)
+            self._capacity[num_reqs:key].zero_()
+            later = self.chain_graphs.replay(key)[:num_reqs]                # [B, K - 1]
         return torch.cat([tok.to(torch.int32)[:, None], later], dim=1)      # [B, K]
+
+    def capture_cuda_graphs(self, runner, make_dummy_batch, k: int,
+                            progress: bool = False) -> None:
+        """Capture the K - 1 chained steps per decode graph size of the runner (GPU only).
+
+        The mirror runs eagerly (a variable number of tokens, as vLLM's EAGLE prefill).
+        Graphs sample with the general path (top-k / top-p / min-p on: correct for every
+        row, greedy ones included). A no-op for K = 1 or without the runner's graphs.
+
+        Args:
+            runner: the ``ModelRunner`` (its ``cuda_graphs`` sizes and static buffers).
+            make_dummy_batch: writes an all-padding batch of a size (the runner's).
+            k: K.
+            progress: show a progress bar.
+        """
+        if k == 1 or not runner.cuda_graphs.sizes:
+            return
+        from mrv2.cuda_graphs import CudaGraphManager
+
+        self._static_buffers(runner)
+        if self.keep_probs:
+            self._probs_buffer(runner.state)
+        graphs = CudaGraphManager(list(runner.cuda_graphs.sizes))
+
+        def prepare(size: int) -> int:
+            make_dummy_batch(size)   # idx_mapping -> padding rows, zeroed block-table rows
+            self._capacity.zero_()   # nothing live: the warm-up writes no KV and no q
+            return size
+
+        graphs.capture(prepare, lambda size, _: self._chain(runner, k, size, _GRAPH_META,
+                                                            self.max_model_len),
+                       progress=progress)
+        self.chain_graphs = graphs
 
     def _chain(self, runner, k: int, num_rows: int, meta: SamplingMetadata,
                max_seq_len: int) -> torch.Tensor:
