@@ -103,7 +103,7 @@ def test_seeded_sampling_identical_with_coupled_noise(plain):
     spec = LLM(dtype="float32", max_model_len=96, max_num_seqs=4, async_scheduling=True,
                speculative_config=_eagle(3))
     prompts = [{"prompt_token_ids": p} for p in (LOOP, LOOP * 2)] + ["JULIET:\nO Romeo,"]
-    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=8, ignore_eos=True,
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=6, ignore_eos=True,
                          logprobs=1 if s == 1 else None) for s in range(3)]
     want, got = (llm.generate(prompts, sp, use_tqdm=False) for llm in (plain, spec))
     assert _ids(got) == _ids(want)
@@ -114,9 +114,10 @@ def test_seeded_sampling_identical_with_coupled_noise(plain):
 
 @pytest.mark.slow
 def test_probabilistic_first_two_tokens_follow_the_targets_distribution(plain):
-    """As test_spec_decode_probabilistic's chi-squared test, with EAGLE drafts (K = 2)."""
-    temp, top_k, n = 1.0, 3, 120
-    prompt = {"prompt_token_ids": LOOP}
+    """As test_spec_decode_probabilistic's chi-squared test, with EAGLE drafts (K = 2), on a
+    2-token prompt ("JULIET:") and 60 trials to keep it small."""
+    temp, top_k, n, start = 1.0, 3, 60, [952, 26]
+    prompt = {"prompt_token_ids": start}
     greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=top_k)
 
     def top(lp):
@@ -125,7 +126,7 @@ def test_probabilistic_first_two_tokens_follow_the_targets_distribution(plain):
     first = top(plain.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].logprobs[0])
     joint = {}
     for t1, p1 in first.items():
-        lp2 = plain.generate({"prompt_token_ids": LOOP + [t1]}, greedy,
+        lp2 = plain.generate({"prompt_token_ids": start + [t1]}, greedy,
                              use_tqdm=False)[0].outputs[0].logprobs[0]
         joint.update({(t1, t2): p1 * p2 for t2, p2 in top(lp2).items()})
     llm = LLM(dtype="float32", max_model_len=32, max_num_seqs=n,
@@ -146,14 +147,6 @@ def test_probabilistic_first_two_tokens_follow_the_targets_distribution(plain):
     exp_b = [exp[order][pool].sum()] + list(exp[order][~pool])
     assert len(obs_b) >= 3
     assert stats.chisquare(obs_b, exp_b).pvalue > 1e-3
-
-
-def test_probabilistic_greedy_equals_no_speculation(greedy_baseline):
-    inputs, params = _greedy_inputs()
-    llm = _tight(_eagle(3, verification="probabilistic"), async_scheduling=True)
-    assert _ids(llm.generate(inputs, params, use_tqdm=False)) == greedy_baseline
-    assert llm.runner.spec.stats.num_accepted_tokens > 0
-    assert_nothing_held(llm)
 
 
 # -- the head: its numerics, its checkpoint layout ---------------------------------------

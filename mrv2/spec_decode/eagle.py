@@ -135,7 +135,10 @@ class EagleProposer:
         valid = pos + 1 < total[req]                                        # [T]
         nxt = state.token_ids[rows[req], (pos + 1).clamp(max=self.max_model_len - 1)]  # [T]
         md = batch.attn_metadata
-        # NOTE: rejected drafts write no KV (slot -1); their query rows are computed and
+        # NOTE: a prefix-cache hit reuses the head's KV of the cached blocks too; the pair at
+        # a block's last position holds the *next* block's first token, so a request that
+        # shares the block but not that token gets a slightly worse draft (never a wrong
+        # output: verification decides). Rejected drafts write no KV (slot -1); their query rows are computed and
         # ignored. Valid pairs form a prefix of each request's tokens, so causal attention
         # of a valid query reads only valid keys.
         mirror_md = AttentionMetadata(
