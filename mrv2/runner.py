@@ -189,7 +189,7 @@ class ModelRunner(RunnerInterface):
             verified, logprobs = self.spec.verify(self, batch, spec_rows, logits, rows)
             prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
             return self.spec.finish(self, batch, spec_rows, verified, logprobs,
-                                    prompt_logprobs, rows, hidden)  # EAGLE reads hidden
+                                    prompt_logprobs, rows, hidden=hidden)  # EAGLE reads it
         out = self.sampler(logits, idx_mapping, positions, rows, self.state)
         prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,
