@@ -36,7 +36,10 @@ def measure_acceptance(head: Path, target: Path, k: int = 3, max_tokens: int = 3
                "draft_model": {"method": "draft_model", "num_speculative_tokens": k,
                                "model": str(target) + "-draft"},
                "eagle": {"method": "eagle", "num_speculative_tokens": k, "model": str(head)}}
-    res, ref = {"k": k, "max_tokens": max_tokens, "prompts": CARD_PROMPTS}, None
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
+    res, ref = {"k": k, "max_tokens": max_tokens, "prompts": CARD_PROMPTS, "device": device}, None
     for name, cfg in configs.items():
         llm = LLM(str(target), dtype="float32", max_model_len=256, max_num_seqs=8,
                   speculative_config=cfg)
@@ -126,7 +129,7 @@ from the repository root:
 ```
 
 ## Acceptance, measured by mrv2
-The embedded target on the CPU (fp32), greedy, K = {acc['k']}, {acc['max_tokens']} tokens for
+The embedded target on {acc.get('device', 'the CPU')} (fp32), greedy, K = {acc['k']}, {acc['max_tokens']} tokens for
 each of {len(acc['prompts'])} prompts ({', '.join(p for p in acc['prompts'] if p != 'LOOP')} and
 the target's own greedy loop); every proposer returned the tokens of the run without
 speculation ({acc['baseline_steps']} engine steps). Mean accepted length = 1 + accepted
