@@ -199,7 +199,8 @@ class LLM:
             self.scheduler_config, self.kv_manager,
             num_speculative_tokens=0 if spec_config is None else spec_config.num_speculative_tokens,
             num_lookahead_tokens=spec_config.num_speculative_tokens
-            if spec_config is not None and spec_config.method == "draft_model" else 0)
+            if spec_config is not None and spec_config.method in ("draft_model", "eagle")
+            else 0)
         self.engine = Engine(self.scheduler, self.runner, self.tokenizer, max_model_len,
                              async_scheduling=self.async_scheduling)
         self._eos_token_ids = _eos_ids(self.model_path, self.hf_config, self.tokenizer)

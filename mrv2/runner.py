@@ -76,7 +76,8 @@ class ModelRunner(RunnerInterface):
         # Speculative decoding: K draft slots per state row, and the per-step logic.
         self.spec = (None if speculative_config is None else SpecDecodeStep(
             speculative_config, self.device, vocab_size=self.vocab_size, num_blocks=num_blocks,
-            block_size=self.block_size, max_model_len=self.max_model_len, dtype=dtype))
+            block_size=self.block_size, max_model_len=self.max_model_len, dtype=dtype,
+            target=self.model_state, target_hf_config=hf_config))
         self.state = RequestStateTable(
             self.max_num_reqs, scheduler_config.max_model_len, device,
             num_speculative_tokens=0 if self.spec is None else self.spec.k)
@@ -194,7 +195,8 @@ class ModelRunner(RunnerInterface):
             verified, logprobs = self.spec.verify(self, batch, spec_rows, logits, rows)
             prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
             return self.spec.finish(self, batch, spec_rows, verified, logprobs,
-                                    prompt_logprobs, rows, graph_size)
+                                    prompt_logprobs, rows, graph_size,
+                                    hidden=hidden)  # EAGLE reads it
         out = self.sampler(logits, idx_mapping, positions, rows, self.state)
         prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,

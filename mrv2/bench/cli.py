@@ -10,6 +10,7 @@
     python -m mrv2 bench latency --speculative ngram --num-speculative-tokens 3 \
         --workload repetitive --sync-accepted-counts   # v2 without / with / with the sync
     python -m mrv2 bench serve --launch qwen3-0.6b-dummy --request-rate 8,32,inf  # HTTP
+    python -m mrv2 bench latency --speculative ngram,draft_model,eagle --batch-sizes 1,8
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def _runner_list(text: str) -> list[str]:
     return names
 
 
+def _spec_list(text: str) -> str:
+    from mrv2.bench.spec import METHODS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in METHODS for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--speculative takes one or a comma list of "
+                                         f"{', '.join(METHODS)}; got {text!r}")
+    return ",".join(names)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's arguments."""
     p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline", "serve"],
@@ -53,13 +64,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a repeated loop, 128 in / 256 out, greedy: the embedded model's own "
                         "loop, or random repeated 11-grams for another model). latency: "
                         "shared-prefix and repetitive change its prompts")
-    p.add_argument("--speculative", choices=["ngram", "draft_model"], default=None,
-                   help="compare v2 without and with speculative decoding in the same job")
+    p.add_argument("--speculative", type=_spec_list, default=None,
+                   help="ngram, draft_model, eagle, or a comma list of them: compare v2 "
+                        "without and with each in the same job")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 3)")
     p.add_argument("--sync-accepted-counts", action="store_true",
                    help="with --speculative: also v2 with sync_accepted_counts on (3 rows)")
     p.add_argument("--draft-model", default=None,
                    help="draft_model: the draft's folder (default: the embedded model's draft)")
+    p.add_argument("--eagle-model", default=None,
+                   help="eagle: the EAGLE head's folder (default: the embedded model's head)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
     p.add_argument("--temperature", type=float, default=None,
@@ -149,6 +163,7 @@ def config_from_args(args: argparse.Namespace):
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, temperature=args.temperature,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         sync_accepted_counts=args.sync_accepted_counts, draft_model=args.draft_model,
+        eagle_model=args.eagle_model,
         prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
 
 
@@ -190,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = args.out or default_out_path(
         cfg.kind, cfg.workload if cfg.kind == "throughput" or cfg.workload != "standard"
-        else None, cfg.tiny, cfg.speculative)
+        else None, cfg.tiny, cfg.speculative and cfg.speculative.replace(",", "+"))
     path = write_json(results, out)
     print((throughput_table if cfg.kind == "throughput" else latency_table)(results))
     print(f"[bench] wrote {path}")

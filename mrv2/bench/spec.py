@@ -1,7 +1,8 @@
 """Speculative decoding in the benchmark: the runner variants and the acceptance figures.
 
-``--speculative ngram|draft_model`` makes every benchmark compare, in the same job, the V2
-runner WITHOUT speculation (label ``v2``), WITH it (``v2-<method>``) and, with
+``--speculative ngram|draft_model|eagle`` (or a comma list of them, e.g.
+``ngram,draft_model,eagle``) makes every benchmark compare, in the same job, the V2
+runner WITHOUT speculation (label ``v2``), WITH each method (``v2-<method>``) and, with
 ``--sync-accepted-counts``, with the V1-style sync of the accepted counts on
 (``v2-<method>-sync``): the same weights, prompts and sizes. The acceptance figures come from
 the runner's ``SpecDecodeStats`` (``llm.runner.spec_decode_stats``), read before and after
@@ -15,37 +16,46 @@ from mrv2.models.loader import DEFAULT_MODEL_DIR
 
 #: The shipped draft of the embedded model.
 EMBEDDED_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / f"{DEFAULT_MODEL_DIR.name}-draft"
+#: The shipped EAGLE head of the embedded model.
+EMBEDDED_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / f"{DEFAULT_MODEL_DIR.name}-eagle"
+#: Methods the benchmark knows (``--speculative`` takes one or a comma list).
+METHODS = ("ngram", "draft_model", "eagle")
 #: ``SpecDecodeStats`` counters that add up (``accepted_per_position`` too, per position).
 _COUNTS = ("num_spec_steps", "num_draft_slots", "num_draft_tokens", "num_accepted_tokens")
 
 
 def spec_variants(method: str | None, k: int, *, sync: bool = False,
-                  draft_model: str | None = None, prompt_lookup_max: int | None = None,
+                  draft_model: str | None = None, eagle_model: str | None = None,
+                  prompt_lookup_max: int | None = None,
                   prompt_lookup_min: int | None = None) -> list[tuple[str, dict | None]]:
     """``(label suffix, speculative_config)`` of each V2 variant, the plain runner first.
 
     Args:
-        method: ``"ngram"``, ``"draft_model"`` or ``None`` (no speculation: one variant).
+        method: ``"ngram"``, ``"draft_model"``, ``"eagle"``, a comma list of them, or
+            ``None`` (no speculation: one variant).
         k: num_speculative_tokens.
-        sync: add the variant with ``sync_accepted_counts`` on.
+        sync: add the variant with ``sync_accepted_counts`` on (per method).
         draft_model: the draft's folder (``draft_model`` only).
+        eagle_model: the EAGLE head's folder (``eagle`` only).
         prompt_lookup_max, prompt_lookup_min: the n-gram sizes (``None``: the config's default).
 
     Returns:
-        ``[("", None), ("-<method>", cfg)]`` plus ``("-<method>-sync", cfg + sync)``.
+        ``[("", None), ("-<method>", cfg), ...]`` plus ``("-<method>-sync", cfg + sync)``.
     """
     if method is None:
         return [("", None)]
-    cfg = {"method": method, "num_speculative_tokens": k}
-    if method == "draft_model":
-        cfg["model"] = str(draft_model)
-    for key, value in (("prompt_lookup_max", prompt_lookup_max),
-                       ("prompt_lookup_min", prompt_lookup_min)):
-        if value is not None:
-            cfg[key] = value
-    out = [("", None), (f"-{method}", cfg)]
-    if sync:
-        out.append((f"-{method}-sync", {**cfg, "sync_accepted_counts": True}))
+    out = [("", None)]
+    for m in method.split(","):
+        cfg = {"method": m, "num_speculative_tokens": k}
+        if m in ("draft_model", "eagle"):
+            cfg["model"] = str(draft_model if m == "draft_model" else eagle_model)
+        for key, value in (("prompt_lookup_max", prompt_lookup_max),
+                           ("prompt_lookup_min", prompt_lookup_min)):
+            if value is not None and m == "ngram":
+                cfg[key] = value
+        out.append((f"-{m}", cfg))
+        if sync:
+            out.append((f"-{m}-sync", {**cfg, "sync_accepted_counts": True}))
     return out
 
 

@@ -72,10 +72,11 @@ class BenchConfig:
     prefix_len: int | None = None             # shared-prefix: default 1024 (tiny: 32)
     suffix_len: int | None = None             # shared-prefix: default 64 (tiny: 5)
     temperature: float | None = None          # None: 0.6 (repetitive: 0, greedy)
-    speculative: str | None = None            # "ngram" / "draft_model": v2 without and with
+    speculative: str | None = None            # "ngram" / "draft_model" / "eagle" (or a comma list)
     num_speculative_tokens: int | None = None  # K, default 3
     sync_accepted_counts: bool = False        # also v2 with the accepted-counts sync
     draft_model: str | None = None            # default: the embedded model's shipped draft
+    eagle_model: str | None = None            # default: the embedded model's shipped head
     prompt_lookup_max: int | None = None      # ngram: default the config's
     prompt_lookup_min: int | None = None
 
@@ -91,16 +92,17 @@ class BenchConfig:
         if bad or not self.runners:
             raise ValueError(f"runners must be a non-empty subset of {RUNNERS}, got {self.runners}")
         if self.speculative is None:
-            for key in ("num_speculative_tokens", "draft_model", "prompt_lookup_max",
-                        "prompt_lookup_min"):
+            for key in ("num_speculative_tokens", "draft_model", "eagle_model",
+                        "prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key} needs speculative (--speculative ngram|draft_model)")
             if self.sync_accepted_counts:
                 raise ValueError("sync_accepted_counts needs speculative "
                                  "(--speculative ngram|draft_model)")
             return
-        if self.speculative not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative must be 'ngram' or 'draft_model', "
+        methods = self.speculative.split(",")
+        if not all(m in spec.METHODS for m in methods) or len(set(methods)) != len(methods):
+            raise ValueError(f"speculative must be one or a comma list of {spec.METHODS}, "
                              f"got {self.speculative!r}")
         if "v2" not in self.runners:
             raise ValueError(f"speculative decoding needs the v2 runner, got {self.runners}")
@@ -146,14 +148,18 @@ def _default(value, normal, tiny_value, tiny: bool):
 def spec_variants(cfg: BenchConfig, spec_model) -> list[tuple[str, dict | None]]:
     """The V2 variants of ``cfg`` (``mrv2.bench.spec.spec_variants``); the draft defaults
     to the embedded model's shipped draft, and is required for any other model."""
-    draft = cfg.draft_model
-    if cfg.speculative == "draft_model" and draft is None:
-        if not is_embedded(spec_model):
-            raise ValueError("--speculative draft_model with --model needs --draft-model PATH "
-                             "(the shipped draft fits only the embedded model)")
-        draft = str(spec.EMBEDDED_DRAFT_DIR)
+    methods = (cfg.speculative or "").split(",")
+    draft, eagle = cfg.draft_model, cfg.eagle_model
+    for method, given, flag in (("draft_model", draft, "--draft-model"),
+                                ("eagle", eagle, "--eagle-model")):
+        if method in methods and given is None and not is_embedded(spec_model):
+            raise ValueError(f"--speculative {method} with --model needs {flag} PATH "
+                             "(the shipped one fits only the embedded model)")
+    draft = draft or str(spec.EMBEDDED_DRAFT_DIR)
+    eagle = eagle or str(spec.EMBEDDED_EAGLE_DIR)
     return spec.spec_variants(cfg.speculative, cfg.num_speculative_tokens or 3,
                               sync=cfg.sync_accepted_counts, draft_model=draft,
+                              eagle_model=eagle,
                               prompt_lookup_max=cfg.prompt_lookup_max,
                               prompt_lookup_min=cfg.prompt_lookup_min)
 

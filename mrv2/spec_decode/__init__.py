@@ -1,7 +1,8 @@
 """Speculative decoding: the config, the n-gram proposer and draft verification on the device.
 
 ``config.py`` checks vLLM's ``speculative_config`` dict; ``ngram.py`` proposes drafts by
-prompt lookup in the state table's token buffer; ``verify.py`` accepts or rejects them
+prompt lookup in the state table's token buffer; ``draft_model.py`` and ``eagle.py`` (an EAGLE-1
+head over the target's hidden states, ``eagle_head.py``) run small models; ``verify.py`` accepts or rejects them
 (``exact``: the target's own stateless Gumbel sample; ``probabilistic``: Leviathan / Chen
 rejection sampling); ``draft_slots.py`` puts the drafts into the state table's token buffer
 for the unchanged ``prepare_inputs`` and appends the accepted tokens on the device, where

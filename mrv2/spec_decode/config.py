@@ -2,7 +2,8 @@
 
 The format is vLLM's: ``{"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "draft_model",
-"model": PATH, "num_speculative_tokens": K}``. mrv2 adds two keys: ``"verification"``
+"model": PATH, "num_speculative_tokens": K}`` or ``{"method": "eagle", "model": HEAD_PATH,
+"num_speculative_tokens": K}`` (an EAGLE-1 draft head, ``eagle_head.py``). mrv2 adds two keys: ``"verification"``
 (``"exact"``, the default: accept a draft while it equals the target's own stateless
 Gumbel sample, so seeded output is unchanged by speculation; or ``"probabilistic"``:
 Leviathan / Chen rejection sampling) and ``"sync_accepted_counts"`` (off by default: a
@@ -17,7 +18,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 #: Proposers mrv2 knows.
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+#: Methods that read a model folder (``"model"``).
+MODEL_METHODS = ("draft_model", "eagle")
 #: Verification rules.
 VERIFICATIONS = ("exact", "probabilistic")
 #: Keys that only one method accepts.
@@ -36,12 +39,14 @@ class SpeculativeConfig:
     """How a speculating request proposes and verifies its draft tokens.
 
     Args:
-        method: ``"ngram"`` (prompt lookup in the request's own tokens) or
-            ``"draft_model"`` (a smaller model with the same vocabulary).
+        method: ``"ngram"`` (prompt lookup in the request's own tokens),
+            ``"draft_model"`` (a smaller model with the same vocabulary) or ``"eagle"``
+            (an EAGLE-1 head over the target's hidden states; ``eagle.py``).
         num_speculative_tokens: K, the drafts per step (a decode then schedules 1 + K).
         prompt_lookup_max, prompt_lookup_min: the n-gram sizes tried, longest first
             (``ngram`` only). As in vLLM, one given alone sets the other; neither: both 5.
-        model: the draft model's folder (``draft_model`` only); it must exist.
+        model: the draft model's or EAGLE head's folder (``draft_model``, ``eagle``); it
+            must exist.
         verification: ``"exact"`` (seeded output unchanged by speculation) or
             ``"probabilistic"`` (Leviathan / Chen: other tokens, the same distribution;
             greedy output unchanged).
@@ -75,8 +80,8 @@ class SpeculativeConfig:
 
     def _check_ngram(self) -> None:
         if self.model is not None:
-            raise ValueError("speculative_config['model'] is only for method 'draft_model', "
-                             "not 'ngram'")
+            raise ValueError("speculative_config['model'] is only for methods 'draft_model' "
+                             "and 'eagle', not 'ngram'")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         # vLLM's defaults: one bound given alone sets the other, neither gives 5 and 5.
         if lo is None and hi is None:
@@ -98,10 +103,11 @@ class SpeculativeConfig:
         for key in _NGRAM_KEYS:
             if getattr(self, key) is not None:
                 raise ValueError(f"speculative_config[{key!r}] is only for method 'ngram', "
-                                 "not 'draft_model'")
+                                 f"not {self.method!r}")
         if self.model is None:
-            raise ValueError("speculative_config['model'] is required for method "
-                             "'draft_model' (the draft model's folder)")
+            what = "the draft model's" if self.method == "draft_model" else "the EAGLE head's"
+            raise ValueError(f"speculative_config['model'] is required for method "
+                             f"{self.method!r} ({what} folder)")
         if not isinstance(self.model, (str, pathlib.Path)):
             raise TypeError(f"speculative_config['model'] must be a path, got {self.model!r}")
         path = pathlib.Path(self.model)
@@ -174,4 +180,43 @@ def check_draft_compatible(target_hf_config: Any, draft_hf_config: Any,
     d_len = _get(draft_hf_config, "max_position_embeddings")
     if max_model_len is not None and d_len is not None and d_len < max_model_len:
         raise ValueError(f"draft model max_position_embeddings={d_len} is below the run's "
+                         f"max_model_len={max_model_len}")
+
+
+def check_eagle_compatible(target_hf_config: Any, head_config: Any,
+                           max_model_len: int | None = None) -> None:
+    """Refuse an EAGLE head that cannot read this target's hidden states.
+
+    The head's ``fc`` reads ``concat(embedding, target hidden state)`` (``2 * hidden``
+    wide) and its output goes through the target's lm_head, so ``hidden_size`` must be the
+    target's; its token ids are the target's (``vocab_size``, where the head's config
+    names one); its RoPE cache must reach the run's ``max_model_len``. EAGLE-3 heads
+    (multi-layer features, their own reduced vocabulary) are refused by name.
+
+    Args:
+        target_hf_config: the target's Hugging Face config (object or dict).
+        head_config: the head's ``config.json`` (object or dict).
+        max_model_len: the run's longest sequence, if known.
+
+    Raises:
+        ValueError: naming the field that does not fit.
+    """
+    archs = _get(head_config, "architectures") or []
+    if any("eagle3" in a.lower() for a in archs) or _get(head_config, "draft_vocab_size"):
+        raise ValueError(f"EAGLE head architectures={archs}: an EAGLE-3 head (multi-layer "
+                         "features, draft vocabulary); mrv2 runs EAGLE-1 heads only")
+    t_hidden, h_hidden = _get(target_hf_config, "hidden_size"), _get(head_config, "hidden_size")
+    if t_hidden != h_hidden:
+        raise ValueError(f"EAGLE head hidden_size={h_hidden} differs from the target's "
+                         f"hidden_size={t_hidden}: the head reads the target's hidden states")
+    t_vocab, h_vocab = _get(target_hf_config, "vocab_size"), _get(head_config, "vocab_size")
+    if h_vocab is not None and h_vocab != t_vocab:
+        raise ValueError(f"EAGLE head vocab_size={h_vocab} differs from the target's "
+                         f"vocab_size={t_vocab}: the head proposes the target's token ids")
+    layers = _get(head_config, "num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"EAGLE head num_hidden_layers={layers!r}: need at least one layer")
+    h_len = _get(head_config, "max_position_embeddings")
+    if max_model_len is not None and h_len is not None and h_len < max_model_len:
+        raise ValueError(f"EAGLE head max_position_embeddings={h_len} is below the run's "
                          f"max_model_len={max_model_len}")

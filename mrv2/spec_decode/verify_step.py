@@ -94,7 +94,8 @@ class SpecDecodeStep:
         config: the speculative config (``num_speculative_tokens``, n-gram sizes, sync).
         device: where the state table lives.
         draft_args: for ``method="draft_model"``: the target's ``vocab_size``,
-            ``num_blocks``, ``block_size``, ``max_model_len``, ``dtype``.
+            ``num_blocks``, ``block_size``, ``max_model_len``, ``dtype``; ``"eagle"`` also
+            ``target`` (its ``ModelState``) and ``target_hf_config``.
     """
 
     def __init__(self, config: SpeculativeConfig, device: torch.device, **draft_args):
@@ -111,6 +112,14 @@ class SpecDecodeStep:
                 config.model, draft_args["vocab_size"], draft_args["num_blocks"],
                 draft_args["block_size"], draft_args["max_model_len"], draft_args["dtype"],
                 self.device, keep_probs=self.probabilistic)
+        elif config.method == "eagle":
+            from mrv2.spec_decode.eagle import EagleProposer
+
+            self.draft = EagleProposer(
+                config.model, draft_args["target"], draft_args["target_hf_config"],
+                draft_args["num_blocks"], draft_args["block_size"],
+                draft_args["max_model_len"], draft_args["dtype"], self.device,
+                keep_probs=self.probabilistic)
 
     def expand(self, batch, num_scheduled: list[int], num_spec_tokens: dict[str, int]
                ) -> SpecRows:
@@ -201,7 +210,8 @@ class SpecDecodeStep:
             capture(runner, make_dummy_batch, self.k, progress)
 
     def finish(self, runner, batch, rows: SpecRows, verified: VerifyOutput, logprobs,
-               prompt_logprobs: dict, req_rows: list[int], graph_size=None) -> AsyncOutput:
+               prompt_logprobs: dict, req_rows: list[int], graph_size=None,
+               hidden=None) -> AsyncOutput:
         """Append the accepted runs, propose the next drafts; the step's output.
 
         Args:
@@ -213,6 +223,7 @@ class SpecDecodeStep:
             prompt_logprobs: as for ``AsyncOutput``.
             req_rows: the batch's state rows (CPU ints: the sampling flags are read from them).
             graph_size: the graph key the target step replayed (``None``: eager).
+            hidden: ``[T_pad, H]`` the target's hidden states of the step (EAGLE reads them).
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping                                     # [B_pad]
@@ -233,8 +244,9 @@ class SpecDecodeStep:
             states = runner.sampler.states
             meta = SamplingMetadata(all_greedy=states.all_greedy(req_rows),
                                     needs_top_k_top_p=states.needs_top_k_top_p(req_rows))
+            extra = {"hidden": hidden} if cfg.method == "eagle" else {}
             next_drafts = self.draft.propose(batch, runner, self.k, meta,
-                                             graph_size=graph_size)
+                                             graph_size=graph_size, **extra)
         else:
             next_drafts, _ = ngram_propose(idx_mapping[:num_reqs], state.token_ids,
                                            state.total_len, self.k, cfg.prompt_lookup_min,

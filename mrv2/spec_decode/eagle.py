@@ -1,0 +1,295 @@
+"""The EAGLE proposer: a one-layer head that drafts from the target's own hidden states.
+
+A draft model guesses the next tokens from the tokens alone; an EAGLE head reads what the
+target already computed, its last-layer hidden state ``h_p`` (``eagle_head.py``), so one
+small layer suffices. Per target step, on the device and in stream order:
+
+1. **mirror** (one pass over the target step's tokens, variable shape, eager): token ``j``
+   at position ``p`` of state row ``r`` gives the head the pair ``(token_ids[r, p + 1],
+   h_p)``: the *next* token, read from the state table after verification appended the
+   accepted run, beside the target's hidden state of ``j``. The pair is valid while
+   ``p + 1 < total_len[r]``; that covers every prefill token and every accepted draft,
+   and excludes exactly the rejected drafts (their hidden states saw wrong tokens), whose
+   KV writes are masked (slot -1) and later overwritten. So the accepted tokens' features
+   come in as the draft model's accepted tokens do: the same step's pass, no bookkeeping.
+   The head's output at each request's last valid token (position ``total_len - 2``, the
+   pair with the bonus / correction token) gives **draft 1**.
+2. **K - 1 chained single-token steps** (``_chain``: static buffers and ``[B]`` shapes,
+   the seam for CUDA graphs): the head's own output feature and the last draft go back in
+   at the next position. Each draft is sampled with the target's sampler and (seed, position) noise
+   (coupled drafts, as ``draft_model.py``), keeping q for ``probabilistic`` verification.
+
+The hidden states come from the runner as the tensor ``ModelState.run`` returned (no copy,
+no sync). The head's paged KV cache uses the target's block ids, block tables and state
+rows; the only CPU input is each slot's KV capacity. K forwards per step (the draft model
+needs K + 1). ``_chain`` reads only fixed buffers and has ``[B]`` shapes, so on a GPU
+``capture_cuda_graphs`` records it once per decode graph size (as the draft model's chain)
+and a step replays the graph of its padded batch; the CPU path is the same code, eager. See notebooks/09_speculative_decoding.ipynb.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mrv2.forward_context import AttentionMetadata, set_forward_context
+from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
+from mrv2.sample import SamplingMetadata
+from mrv2.spec_decode.config import check_eagle_compatible
+from mrv2.spec_decode.draft_model import batch_rows, filtered_probs
+from mrv2.spec_decode.eagle_head import load_eagle_head
+from mrv2.state import to_device_async
+
+#: The sampling flags a captured chain uses: the general path, right for every row.
+_GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
+
+
+class EagleProposer:
+    """K drafts per row from an EAGLE-1 head over the target's hidden states.
+
+    Args:
+        path: the head's folder (``eagle_head.load_eagle_head``).
+        target: the target's ``ModelState`` (its embedding and lm_head are shared).
+        target_hf_config: the target's Hugging Face config (checked against the head's).
+        num_blocks, block_size: the target's KV pool (the head's cache mirrors it).
+        max_model_len: the longest sequence.
+        dtype, device: as the target's.
+        keep_probs: keep each draft's filtered distribution q (``kept_probs``).
+
+    Raises:
+        ValueError: a head that does not fit the target (``check_eagle_compatible``) or a
+            bad checkpoint.
+    """
+
+    def __init__(self, path: str, target, target_hf_config, num_blocks: int, block_size: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 keep_probs: bool = False):
+        from mrv2.spec_decode.eagle_head import read_head_config
+
+        check_eagle_compatible(target_hf_config, read_head_config(path), max_model_len)
+        self.device = torch.device(device)
+        self.head, cfg = load_eagle_head(path, dtype, self.device)
+        self.kv_caches = [torch.zeros(kv_cache_shape(cfg, num_blocks, block_size), dtype=dtype,
+                                      device=self.device)    # [2, blocks, bs, H_kv, D]
+                          for _ in range(model_dims(cfg).num_layers)]
+        bind_kv_cache(self.head, self.kv_caches)
+        self.target = target
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.vocab_size = model_dims(target_hf_config).vocab_size
+        self.keep_probs = keep_probs
+        self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32, made at first use
+        self._feat: torch.Tensor | None = None  # the chain's static inputs (_static_buffers)
+        self.chain_graphs = None  # a CudaGraphManager of the chain (capture_cuda_graphs)
+
+    # -- shared pieces of the target ------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` embeddings (the head's own table if it has one, else the target's)."""
+        if self.head.embed_tokens is not None:
+            return self.head.embed_tokens(token_ids)
+        return self.target.model.get_input_embeddings(token_ids)
+
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` logits through the target's lm_head (or the head's own)."""
+        if self.head.lm_head is not None:
+            return self.head.lm_head(features)
+        return self.target.compute_logits(features)
+
+    def _forward(self, token_ids, features, positions, md: AttentionMetadata) -> torch.Tensor:
+        with set_forward_context(md):
+            return self.head(self.embed(token_ids), features, positions)   # [N, H]
+
+    # -- q for probabilistic verification ---------------------------------------------------
+
+    def _probs_buffer(self, state) -> torch.Tensor:
+        if self.probs is None:  # one q [K, V] per state row, and a scratch row for padding
+            num_rows, k = state.draft_token_ids.shape
+            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
+                                     dtype=torch.float32, device=self.device)
+        return self.probs
+
+    def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
+        """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``)."""
+        return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
+
+    # -- one target step's proposals ------------------------------------------------------
+
+    def mirror(self, batch, state, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1: the head over the target step's tokens (see the module docstring).
+
+        Args:
+            batch: the target step's ``InputBatch``.
+            state: the ``RequestStateTable``, after verification appended the runs.
+            hidden: ``[>= T, H]`` the target's hidden states of the step.
+
+        Returns:
+            ``(features [B, H], positions [B] int64)`` of each request's last valid pair.
+        """
+        num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
+        rows = batch.idx_mapping[:num_reqs].long()                          # [B]
+        qsl = batch.query_start_loc[:num_reqs + 1].long()                   # [B + 1]
+        pos = batch.positions[:num_tokens].long()                           # [T]
+        req = torch.searchsorted(qsl[1:], torch.arange(num_tokens, device=pos.device),
+                                 right=True)                                # [T] batch slot
+        total = state.total_len[rows].long()                                # [B]
+        valid = pos + 1 < total[req]                                        # [T]
+        nxt = state.token_ids[rows[req], (pos + 1).clamp(max=self.max_model_len - 1)]  # [T]
+        md = batch.attn_metadata
+        # NOTE: a prefix-cache hit reuses the head's KV of the cached blocks too; the pair at
+        # a block's last position holds the *next* block's first token, so a request that
+        # shares the block but not that token gets a slightly worse draft (never a wrong
+        # output: verification decides). Rejected drafts write no KV (slot -1); their query rows are computed and
+        # ignored. Valid pairs form a prefix of each request's tokens, so causal attention
+        # of a valid query reads only valid keys.
+        mirror_md = AttentionMetadata(
+            query_start_loc=md.query_start_loc[:num_reqs + 1], seq_lens=md.seq_lens[:num_reqs],
+            block_table=md.block_table[:num_reqs],
+            slot_mapping=torch.where(valid, md.slot_mapping[:num_tokens], -1),
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
+        feats = self._forward(nxt.to(torch.int32), hidden[:num_tokens],
+                              batch.positions[:num_tokens], mirror_md)      # [T, H]
+        # The last valid pair of each request: position total_len - 2 (a partial prefill
+        # chunk: its last token).
+        first = pos[qsl[:-1]]                                               # [B]
+        n = qsl[1:] - qsl[:-1]                                              # [B]
+        last = qsl[:-1] + torch.minimum((total - 2 - first).clamp(min=0), n - 1)  # [B]
+        return feats[last], pos[last]
+
+    def _static_buffers(self, runner) -> None:
+        """The chained steps' inputs, in fixed buffers (``[max_num_reqs]`` rows)."""
+        if self._feat is None:
+            n, hidden = runner.max_num_reqs, self.head.fc.out_features
+            self._feat = torch.zeros(n, hidden, dtype=self.head.fc.weight.dtype,
+                                     device=self.device)                   # [R_max, H]
+            self._tok = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._pos = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
+            self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+
+    def propose(self, batch, runner, k: int, meta: SamplingMetadata, graph_size=None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Mirror the target step (draft 1), then K - 1 chained steps; ``[B, K]`` int32.
+
+        Args:
+            batch: the target step's ``InputBatch`` (its buffers still hold its inputs).
+            runner: the ``ModelRunner`` (state table, block tables, sampler).
+            k: K.
+            meta: the batch's sampling flags (greedy / top-k-top-p).
+            graph_size: the target step's graph key (unused: the mirror runs eagerly; the
+                draft model's signature).
+            hidden: ``[>= T, H]`` the target's hidden states of this step (on the device).
+        """
+        if hidden is None:
+            raise ValueError("the EAGLE proposer needs the target's hidden states")
+        state, num_reqs = runner.state, batch.num_reqs
+        self._static_buffers(runner)
+        idx_mapping = batch.idx_mapping[:num_reqs]
+        rows = idx_mapping.long()
+        rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
+        self._capacity[:num_reqs].copy_(to_device_async(
+            runner.block_tables.num_blocks[rows_np] * self.block_size, self.device))
+        feat, pos = self.mirror(batch, state, hidden)                       # [B, H], [B]
+        logits = self.compute_logits(feat)                                  # [B, V]
+        if meta.needs_top_k_top_p:
+            logits = logits.float()
+        # NOTE: the token sampled from the pair at p sits at p + 2 (the pair's token is at
+        # p + 1): the target's noise at that position, so coupled drafts.
+        tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)  # [B]
+        if self.keep_probs and num_reqs:
+            q = filtered_probs(logits, state.temperature[rows], tok)        # [B, V]
+            self._probs_buffer(state)[rows, 0] = q
+        if k == 1:
+            return tok.to(torch.int32)[:, None]                             # [B, 1]
+        self._feat[:num_reqs].copy_(feat)
+        self._tok[:num_reqs].copy_(tok)
+        self._pos[:num_reqs].copy_(pos)
+        key = (None if self.chain_graphs is None
+               else self.chain_graphs.padded_size(num_reqs, num_reqs))
+        if key is None:
+            max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
+            later = self._chain(runner, k, num_reqs, meta, max_seq_len)     # [B, K - 1]
+        else:  # padding slots: capacity 0, nothing live (their drafts are dropped)
+            self._capacity[num_reqs:key].zero_()
+            later = self.chain_graphs.run(key, lambda: self._chain(
+                runner, k, key, _GRAPH_META, self.max_model_len))[:num_reqs]  # [B, K - 1]
+        return torch.cat([tok.to(torch.int32)[:, None], later], dim=1)      # [B, K]
+
+    def capture_cuda_graphs(self, runner, make_dummy_batch, k: int,
+                            progress: bool = False) -> None:
+        """Capture the K - 1 chained steps per decode graph size of the runner (GPU only).
+
+        The mirror runs eagerly (a variable number of tokens, as vLLM's EAGLE prefill).
+        Graphs sample with the general path (top-k / top-p / min-p on: correct for every
+        row, greedy ones included). A no-op for K = 1 or without the runner's graphs.
+
+        Args:
+            runner: the ``ModelRunner`` (its ``cuda_graphs`` sizes and static buffers).
+            make_dummy_batch: writes an all-padding batch of a size (the runner's).
+            k: K.
+            progress: show a progress bar.
+        """
+        if k == 1 or not runner.cuda_graphs.sizes:
+            return
+        from mrv2.cuda_graphs import CudaGraphManager
+
+        self._static_buffers(runner)
+        if self.keep_probs:
+            self._probs_buffer(runner.state)
+        graphs = CudaGraphManager(list(runner.cuda_graphs.sizes), emulate=runner.cuda_graphs.emulate)
+
+        def prepare(size: int) -> int:
+            make_dummy_batch(size)   # idx_mapping -> padding rows, zeroed block-table rows
+            self._capacity.zero_()   # nothing live: the warm-up writes no KV and no q
+            return size
+
+        graphs.capture(prepare, lambda size, _: self._chain(runner, k, size, _GRAPH_META,
+                                                            self.max_model_len),
+                       progress=progress)
+        self.chain_graphs = graphs
+
+    def _chain(self, runner, k: int, num_rows: int, meta: SamplingMetadata,
+               max_seq_len: int) -> torch.Tensor:
+        """Steps 2 .. K over the first ``num_rows`` batch slots, from the static buffers.
+
+        Every input is a fixed buffer (``_feat``, ``_tok``, ``_pos``, ``_capacity``, the
+        runner's ``idx_mapping`` and gathered block table) and every shape is
+        ``[num_rows]``: the body a CUDA graph per padded batch size can capture, as the
+        draft model's chain is (padding slots: capacity 0, nothing live, nothing written).
+
+        Returns:
+            ``[num_rows, K - 1]`` int32 drafts, -1 where not live.
+        """
+        state = runner.state
+        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
+        rows = idx_mapping.long()
+        capacity = self._capacity[:num_rows]                                # [B]
+        query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
+        block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
+        feat, tok, pos = self._feat[:num_rows], self._tok[:num_rows], self._pos[:num_rows]
+        temp = state.temperature[rows]                                      # [B]
+        drafts, probs = [], []
+        for _ in range(1, k):
+            pos = pos + 1                                                   # [B]
+            live = (pos < self.max_model_len) & (pos < capacity)
+            pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
+            slots = runner.block_tables.compute_slot_mappings(
+                idx_mapping, query_start_loc, pos32, num_rows, num_rows)    # [B]
+            md = AttentionMetadata(
+                query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
+                slot_mapping=torch.where(live, slots, -1), max_query_len=1,
+                max_seq_len=max_seq_len)
+            # The head's own feature and the last draft, one position on.
+            feat = self._forward(tok.to(torch.int32), feat, pos32, md)       # [B, H]
+            logits = self.compute_logits(feat)                              # [B, V]
+            if meta.needs_top_k_top_p:
+                logits = logits.float()
+            tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)
+            drafts.append(torch.where(live, tok, -1))
+            if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
+                probs.append(filtered_probs(logits, temp, tok))             # [B, V]
+        if self.keep_probs and num_rows:
+            buf = self._probs_buffer(state)
+            # NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
+            dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)        # [B]
+            buf[dest, 1:] = torch.stack(probs, dim=1)                       # [B, K - 1, V]
+        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K - 1]
