@@ -22,10 +22,10 @@ from scipy import stats
 from test_spec_decode_probabilistic import _top_k_probs
 
 from mrv2 import LLM, SamplingParams
+from mrv2.cuda_graphs import CudaGraphManager
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.loader import DEFAULT_MODEL_DIR
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape
-from mrv2.spec_decode import eagle as eagle_mod
 from mrv2.spec_decode.config import check_eagle_compatible
 from mrv2.spec_decode.eagle_head import load_eagle_head
 
@@ -62,28 +62,13 @@ def greedy_baseline():
     return _ids(_tight().generate(inputs, params, use_tqdm=False))
 
 
-class _EmulatedChainGraphs:
-    """``CudaGraphManager``'s replay API, eager: each step runs the chain's capture body on
-    its padded batch (stale padding slots and all), as a replayed graph would."""
-
-    def __init__(self, runner, k):
-        self.runner, self.k, self.proposer = runner, k, runner.spec.draft
-
-    def padded_size(self, num_reqs, num_tokens):
-        return next(s for s in (1, 2, 4) if s >= num_reqs)
-
-    def replay(self, key):
-        p = self.proposer
-        return p._chain(self.runner, self.k, key, eagle_mod._GRAPH_META, p.max_model_len)
-
-
 @pytest.mark.parametrize("k,async_scheduling,graphs", [(1, False, False), (3, True, False),
                                                        (5, False, True)])
 def test_greedy_equals_no_speculation_tight(greedy_baseline, k, async_scheduling, graphs):
     inputs, params = _greedy_inputs()
     llm = _tight(_eagle(k), async_scheduling)
     if graphs:  # the chain as the GPU replays it: padded batches, general sampling path
-        llm.runner.spec.draft.chain_graphs = _EmulatedChainGraphs(llm.runner, k)
+        llm.runner.spec.draft.chain_graphs = CudaGraphManager([1, 2, 4], emulate=True)
     got = llm.generate(inputs, params, use_tqdm=False)
     assert _ids(got) == greedy_baseline
     assert len(got[-1].outputs[0].token_ids) == 64 - 52  # ran to max_model_len
