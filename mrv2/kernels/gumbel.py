@@ -45,7 +45,12 @@ order, so the torch reference reproduces the kernel's noise bit for bit):
    sequence of IEEE operations everywhere. Divisions use ``div_rn`` and the GPU launch
    turns off FMA contraction, so the GPU noise equals the CPU noise too.
 
-See notebooks/05_gumbel_sampling.ipynb.
+Sampling does not compute all of that for every logit. Since ``E = -log(u) >= 1 - u``
+and ``1 - u >= ~hi / 2**32``, ``g <= 32 ln 2 - log(~hi)``: one hash word and one (fast,
+approximate) log per logit bound every score. The block's best-bounded logit gets its
+exact score; when no other bound reaches it (minus a slack for rounding) it is the block's
+argmax, else (near-ties) the block computes every exact score. Either way the ids are
+the reference's. See notebooks/05_gumbel_sampling.ipynb.
 """
 
 from __future__ import annotations
@@ -97,6 +102,10 @@ _TWO_M64: tl.constexpr = tl.constexpr(_TWO_M64_F)
 _SERIES_TOP_C: tl.constexpr = tl.constexpr(_SERIES_TOP)
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
+# g <= -log(~hi / 2**32) = 32 ln 2 - log(~hi); ~hi = 0 (w >= 2**-65) is floored at 2**-34.
+_G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
+_HI_C_FLOOR: tl.constexpr = tl.constexpr(2.0 ** -34)
+_TWO_M18: tl.constexpr = tl.constexpr(2.0 ** -18)
 
 
 def _launch_options() -> dict:
@@ -220,12 +229,17 @@ def _row_keys(seed, pos):
 
 
 @triton.jit
+def _hash_hi(k1, k2, v):
+    # k1, k2: uint32 row keys; v: int32 vocab ids (broadcastable) -> the high word, uint32.
+    return _mix32(_mix32((v.to(tl.uint32) * 0x9E3779B1) ^ k1) ^ k2)
+
+
+@triton.jit
 def _hash_words(k1, k2, v):
     # k1, k2: uint32 row keys; v: int32 vocab ids (broadcastable) -> (hi, lo) uint32.
     x = v.to(tl.uint32) * 0x9E3779B1
-    hi = _mix32(_mix32(x ^ k1) ^ k2)
     lo = _mix32(_mix32(x ^ k2) ^ k1)
-    return hi, lo
+    return _hash_hi(k1, k2, v), lo
 
 
 @triton.jit
@@ -284,15 +298,16 @@ def _gumbel_noise_kernel(
 
 
 def _blocks(num_rows: int, vocab_size: int, block_v: int | None,
-            block_b: int | None) -> tuple[int, int]:
+            block_b: int | None, gpu_block_v: int = 2048) -> tuple[int, int]:
     if block_v is None:
-        block_v = min(4096 if TRITON_INTERPRET else 2048, triton.next_power_of_2(max(vocab_size, 16)))
+        block_v = min(4096 if TRITON_INTERPRET else gpu_block_v,
+                      triton.next_power_of_2(max(vocab_size, 16)))
     if block_b is None:
         # NOTE: the interpreter runs programs one by one: many rows per program there;
         # on the GPU one row per program already gives B * V / BLOCK_V programs.
-        # NOTE: the kernel is ALU-bound (hash, 2 logf, 3 div_rn per logit), not memory-bound;
-        # 2048 x 4 warps keeps 16 logits per thread (8192 x 8 warps: 32, likely spilling).
-        # `scripts/bench_sampler.py --sweep` times the alternatives.
+        # NOTE: the full noise is ALU-bound (hash, 2 logf, 3 div_rn per logit); sampling
+        # bounds it with one word and one log, and pays a fixed exact score per program:
+        # bigger blocks there. `scripts/bench_sampler.py --sweep` times the alternatives.
         block_b = (min(max(1, 262144 // block_v), triton.next_power_of_2(max(num_rows, 1)))
                    if TRITON_INTERPRET else 1)
     return block_v, block_b
@@ -342,20 +357,44 @@ def _gumbel_block_argmax_kernel(
     mask = row_mask[:, None] & (cols < vocab_size)[None, :]
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
                 mask=mask, other=float("-inf")).to(tl.float32)               # [BB, BV]
-    # Stage 3: x / T + g for sampled rows, x for greedy rows (the noise only when needed).
+    # Stage 3: sampled rows score x / T + g. g needs two hash words, two logs, three
+    # divisions per logit; but g <= -log(~hi / 2**32) (E >= 1 - u, see below), so a bound
+    # from one word and one approximate log per logit finds the one logit that can win.
     if tl.sum((row_mask & (temp >= _GREEDY_T)).to(tl.int32), axis=0) > 0:
         seed = tl.load(seed_ptr + req, mask=row_mask, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         k1, k2 = _row_keys(seed, pos)
-        hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
-        g = _words_to_gumbel(hi, lo)
         safe_t = tl.where(greedy, 1.0, temp)
-        val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+        hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF  # [BB, BV]
+        g_max = _G_TOP - tl.log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR))
+        ub = tl.where(greedy[:, None], x, x * (1.0 / safe_t)[:, None] + g_max)
+        ub_best = tl.max(ub, axis=1)                                          # [BB]
+        best_idx = tl.min(tl.where(ub == ub_best[:, None], cols[None, :], _INT32_MAX), axis=1)
+        # The exact score of that one logit (the same IEEE steps as the full path below).
+        star_ok = row_mask & (best_idx < vocab_size)
+        x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
+                         mask=star_ok, other=float("-inf")).to(tl.float32)   # [BB]
+        h_s, l_s = _hash_words(k1, k2, best_idx)
+        best = tl.where(greedy, x_star,
+                        tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
+        # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
+        # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
+        # scores strictly below best, so one candidate left means it is the block's argmax.
+        slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
+        n_cand = tl.sum((ub >= (best - slack)[:, None]).to(tl.int32), axis=1)
+        done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
+        if tl.sum((row_mask & ~done).to(tl.int32), axis=0) > 0:
+            # Rare (near-ties, many logits close to the top): every logit's exact score.
+            hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
+            g = _words_to_gumbel(hi, lo)
+            val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+            # Stage 4: block max, ties to the lowest index; an all -inf block: its first id.
+            best = tl.max(val, axis=1)                                        # [BB]
+            best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX),
+                              axis=1)
     else:
-        val = x
-    # Stage 4: block max, ties to the lowest index; an all -inf block reports its first id.
-    best = tl.max(val, axis=1)                                                # [BB]
-    best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX), axis=1)
+        best = tl.max(x, axis=1)                                              # [BB]
+        best_idx = tl.min(tl.where(x == best[:, None], cols[None, :], _INT32_MAX), axis=1)
     if SINGLE_BLOCK:
         tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
     else:
@@ -416,12 +455,12 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b)
+    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b, gpu_block_v=4096)
     num_blocks = triton.cdiv(vocab_size, block_v)
     grid = (triton.cdiv(num_rows, block_b), num_blocks)
     opts = _launch_options()
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or (8 if block_v >= 8192 else 4)
+        opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
     if num_blocks == 1:
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,
