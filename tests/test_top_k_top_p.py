@@ -177,7 +177,7 @@ def test_each_search_variant_at_block_edges(vocab):
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.1, 0.0, 0.0, 0.0, 0.05, 0.0])
     idx = torch.arange(rows, dtype=torch.int32).flip(0)   # through idx_mapping, reversed
     knobs = (temp, top_k, top_p, min_p)
-    for num_pivots in (2, 16):
+    for num_pivots in (4, 16):
         out = _run(logits, idx, *knobs, block_v=256, num_pivots=num_pivots)
         assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
     straight = torch.arange(rows, dtype=torch.int32)
