@@ -175,9 +175,11 @@ class Scheduler:
             req = self.running[i]
             # NOTE: min with the length: with speculation num_computed_tokens is an upper
             # bound while steps are in flight; at the limit, wait for their outputs.
-            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget,
+            known = req.num_tokens_with_placeholders
+            num_new = min(known - req.num_computed_tokens, budget,
                           self.config.max_model_len - req.num_computed_tokens)
-            if num_new <= 0 or self._surely_done(req):
+            # NOTE: only a request with tokens in flight can be surely done (skip the call).
+            if num_new <= 0 or (req.num_output_placeholders and self._surely_done(req)):
                 i += 1
                 continue
             # Speculative decoding: a decode takes 1 + K_b tokens (mrv2/spec_decode/).
@@ -206,6 +208,9 @@ class Scheduler:
                 out.num_spec_tokens[req.request_id] = num_spec
             budget -= num_new
             i += 1
+            # NOTE: counted here, not in a second pass over the batch: a request scheduled
+            # above is never a preemption victim (victims come from the unscheduled tail).
+            self._account(req, num_new, num_spec, out, known)
 
         # 2. Waiting requests (skipped in a step that had to preempt).
         while (self.waiting and budget > 0 and not out.preempted_req_ids
@@ -232,19 +237,26 @@ class Scheduler:
                 list(self.kv.get_blocks(req.request_id)), num_computed_tokens=num_hit))
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+            self._account(req, num_new, 0, out, req.num_tokens_with_placeholders)
 
         out.finished_req_ids = self._freed_ids
         self._freed_ids = set()
-        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            req.num_computed_tokens += n
-            out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
-            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
-                # This step samples a token for it (1 + K_b possible ones when speculating).
-                add_spec_placeholders(req, out.num_spec_tokens.get(req_id, 0))
-                out.sampling_req_ids.add(req_id)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    @staticmethod
+    def _account(req: Request, num_new: int, num_spec: int, out: SchedulerOutput,
+                 known: int) -> None:
+        """``req`` computes ``num_new`` more tokens in the planned step.
+
+        ``known``: its ``num_tokens_with_placeholders`` (unchanged since it was planned).
+        """
+        req.num_computed_tokens += num_new
+        out.max_seq_len = max(out.max_seq_len, req.num_computed_tokens)
+        if req.num_computed_tokens >= known:
+            # This step samples a token for it (1 + K_b possible ones when speculating).
+            add_spec_placeholders(req, num_spec)
+            out.sampling_req_ids.add(req.request_id)
 
     def _surely_done(self, req: Request) -> bool:
         """True when the tokens in flight already finish ``req`` (max_tokens or length).

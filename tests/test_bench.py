@@ -276,11 +276,19 @@ def test_ratios():
 def test_step_benchmarks_tiny(tmp_path, kind):
     """``bench decode`` / ``bench timeline`` run end to end on the CPU (tiny sizes)."""
     out = tmp_path / f"{kind}.json"
-    assert main(["bench", kind, "--tiny", "--plot", "--out", str(out)]) == 0
+    extra = ["--compare-eager"] if kind == "decode" else []
+    assert main(["bench", kind, "--tiny", "--plot", "--out", str(out)] + extra) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["git_commit"] and data["meta"]["hardware"]
     if kind == "decode":
         assert all(ms > 0 for ms in data["eager"].values())
+        prof = data["profile"]
+        assert [(p["batch"], p["context"]) for p in prof["points"]] == [(1, 8), (2, 8)]
+        for p in prof["points"]:
+            assert p["wall_ms_per_step"] > 0 and p["roofline"]["step_ms"] > 0
+            assert p["kernels_per_step"] > 0 and p["kernels"]       # CPU: top-level torch ops
+            assert p["roofline"]["batch"] == p["batch"]
+        assert out.with_name(out.stem + "_eager.png").stat().st_size > 0
     else:
         for name in ("sync", "async"):
             assert data[name]["output_tok_per_s"] > 0
@@ -471,3 +479,26 @@ def test_the_embedded_model_named_by_its_folder_is_recognised():
     cfg = suite.BenchConfig(kind="latency", runners=["v2"], speculative="draft_model")
     variants = suite.spec_variants(cfg, ModelSpec(str(DEFAULT_MODEL_DIR) + "/"))
     assert variants[1][1]["model"] == str(spec_bench.EMBEDDED_DRAFT_DIR)
+
+
+def test_tables_print_the_fraction_of_the_roofline():
+    from mrv2.bench.report import latency_table, throughput_table
+
+    thr = throughput_table(_synthetic("throughput"))
+    v2 = next(line for line in thr.splitlines() if line.startswith("v2 "))
+    assert "of roof" in thr and f"{20000 / 42000:.0%}" in v2          # vs the step roofline
+    lat = _synthetic("latency")
+    text = latency_table(lat)
+    bound = {r["batch"]: r["step_ms"] for r in lat["roofline"]["per_batch"]}
+    v1_b8 = next(line for line in text.splitlines() if line.startswith("v1 ") and " 8 " in line)
+    assert f"{bound[8] / (2.0 * 2 + 0.8):.0%}" in v1_b8                 # roofline / TPOT
+
+
+def test_step_kernels_is_the_per_step_difference():
+    from mrv2.bench.decode_profile import step_kernels
+
+    short = {"gemm": [10, 100.0], "prefill_only": [3, 50.0]}
+    long = {"gemm": [30, 300.0], "prefill_only": [3, 50.0], "gumbel": [4, 40.0]}
+    rows = step_kernels(short, long, steps=2)
+    assert rows == [{"name": "gemm", "launches_per_step": 10.0, "ms_per_step": 0.1},
+                    {"name": "gumbel", "launches_per_step": 2.0, "ms_per_step": 0.02}]

@@ -159,3 +159,29 @@ def test_gpu_large_vocab(dtype):
                    off_p.to(DEVICE), off_mp.to(DEVICE)).cpu()
         kth = torch.stack([lb[i].float().topk(int(top_k[i])).values[-1] for i in range(num_rows)])
         assert torch.equal(out > NEG_INF, lb.float() >= kth[:, None])
+
+
+@pytest.mark.parametrize("vocab", [256, 257, 512])   # one block, one block + 1, two blocks
+def test_each_search_variant_at_block_edges(vocab):
+    """k alone, p alone, both, min-p alone (one Z pass, no search), flat and tied rows."""
+    g = torch.Generator().manual_seed(vocab + 5)
+    rows = 10
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    logits[6] = 0.0                                       # flat: every token tied
+    logits[7, :] = -3.0
+    logits[7, [0, vocab - 1]] = 4.0                       # a tie at both edges of the row
+    logits[8, 1::2] = NEG_INF                             # half masked
+    temp = torch.tensor([1.0, 0.6, 1.2, 0.9, 1.0, 1.0, 1.0, 1.0, 0.8, 1.0])
+    top_k = torch.tensor([7, -1, 12, -1, 1, vocab - 1, 3, 1, 9, 2], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.7, 0.5, 1.0, 1.0, 1.0, 0.3, 0.9, 0.6, 1e-7])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.1, 0.0, 0.0, 0.0, 0.05, 0.0])
+    idx = torch.arange(rows, dtype=torch.int32).flip(0)   # through idx_mapping, reversed
+    knobs = (temp, top_k, top_p, min_p)
+    for num_pivots in (4, 16):
+        out = _run(logits, idx, *knobs, block_v=256, num_pivots=num_pivots)
+        assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    straight = torch.arange(rows, dtype=torch.int32)
+    kept = (_run(logits, straight, *knobs, block_v=256) > NEG_INF).sum(1)
+    assert kept[6].item() == vocab                        # flat row, k = 3: all tied, all kept
+    assert kept[7].item() == 2                            # k = 1 keeps both tied top tokens
+    assert kept[9].item() == 1                            # tiny top_p: the top token only

@@ -3,7 +3,7 @@
     python -m mrv2 bench throughput --runner v2,v1,hf               # standard workload
     python -m mrv2 bench throughput --workload host-bound --runner v2,v1
     python -m mrv2 bench latency --runner v2,v1
-    python -m mrv2 bench decode --plot      # decode step time, CUDA graphs vs eager, B=1,64,256
+    python -m mrv2 bench decode --plot      # one decode step: kernels, GPU/wall ms vs roofline
     python -m mrv2 bench timeline --plot    # GPU idle between steps, async off vs on
     python -m mrv2 bench throughput --tiny --runner v2 --out /tmp/t.json   # CPU, seconds
     python -m mrv2 bench latency --workload shared-prefix --prefix-caching both  # TTFT on/off
@@ -49,8 +49,9 @@ def _spec_list(text: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's arguments."""
     p.add_argument("kind", choices=["throughput", "latency", "decode", "timeline", "serve"],
-                   help="throughput / latency (v2 vs v1 vs hf), decode (step time with and "
-                        "without CUDA graphs), timeline (GPU idle with async off and on), "
+                   help="throughput / latency (v2 vs v1 vs hf), decode (one decode step's "
+                        "kernels, GPU and wall ms vs its roofline, per batch and context), "
+                        "timeline (GPU idle with async off and on), "
                         "serve (streaming clients against an OpenAI server, mrv2/bench/serve.py)")
     p.add_argument("--runner", type=_runner_list, default=None,
                    help="comma list of v2, v1, hf (run one after another in this process; "
@@ -112,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transformers cache_implementation")
     p.add_argument("--batch-sizes", type=_int_list, default=None,
                    help="latency batch sizes (default 1,8,32)")
+    p.add_argument("--contexts", type=_int_list, default=None,
+                   help="decode: prompt lengths (default 128,1024)")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode: steps measured")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="decode: also the step time with and without CUDA graphs")
     p.add_argument("--latency-iters", type=int, default=None, help="timed runs per figure")
     p.add_argument("--sweep-batch", type=_int_list, default=None,
                    help="throughput: also time decode-dominated runs at these batch sizes "
@@ -191,8 +197,11 @@ def run(args: argparse.Namespace) -> int:
     if args.kind in ("decode", "timeline"):  # step-level figures (bench/steps.py)
         from mrv2.bench.steps import run as run_steps
 
-        run_steps(args.kind, args.model, args.batch_sizes or (1, 64, 256), args.out,
-                  plot=args.plot, tiny=args.tiny)
+        sizes = args.batch_sizes or ((1, 8, 32, 64, 128, 256) if args.kind == "decode"
+                                     else (1, 64, 256))
+        run_steps(args.kind, args.model, sizes, args.out, plot=args.plot, tiny=args.tiny,
+                  contexts=args.contexts or (128, 1024), decode_steps=args.decode_steps,
+                  compare_eager=args.compare_eager)
         if not platform.HAS_CUDA:
             print(CPU_NOTE)
         return 0

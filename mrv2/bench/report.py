@@ -144,7 +144,11 @@ def throughput_table(results: dict) -> str:
     runners = results.get("runners", {})
     base = runners.get("v1", {}).get("output_tok_s")
     w = _name_width(results)
-    head = f"{'runner':<{w}} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6}"
+    roof = results.get("roofline", {}).get("decode")
+    whole = results.get("roofline", {}).get("workload")
+    roof_tok_s = (whole or roof or {}).get("tok_s")  # the workload's bound, else one step's
+    head = (f"{'runner':<{w}} {'output tok/s':>13} {'steps':>7} {'ms/step':>8} {'vs v1':>6} "
+            f"{'of roof':>7}")
     lines = [head + "  requests"]
     for name, r in runners.items():
         if "error" in r:
@@ -152,15 +156,14 @@ def throughput_table(results: dict) -> str:
             continue
         tok_s = r.get("output_tok_s")
         ratio = tok_s / base if base and tok_s else None
+        frac = tok_s / roof_tok_s if roof_tok_s and tok_s else None
         lines.append(f"{name:<{w}} {_f(tok_s, '13,.1f')} {_f(r.get('steps'), '7d')} "
-                     f"{_f(r.get('mean_step_ms'), '8.2f')} {_f(ratio, '6.2f')}  "
-                     f"{r.get('num_requests', '-')}")
-    roof = results.get("roofline", {}).get("decode")
+                     f"{_f(r.get('mean_step_ms'), '8.2f')} {_f(ratio, '6.2f')} "
+                     f"{_f(frac, '7.0%')}  {r.get('num_requests', '-')}")
     if roof:
         lines.append(f"{'roofline':<{w}} {_f(roof['tok_s'], '13,.1f')} {'':>7} "
                      f"{_f(roof['step_ms'], '8.2f')}         (decode, batch {roof['batch']}, "
                      f"context {roof['context']:.0f})")
-    whole = results.get("roofline", {}).get("workload")
     if whole:
         lines.append(f"{'roofline':<{w}} {_f(whole['tok_s'], '13,.1f')} "
                      f"{_f(whole['decode_steps'], '7d')} {'':>8}         (the workload's "
@@ -173,14 +176,20 @@ def throughput_table(results: dict) -> str:
 def latency_table(results: dict) -> str:
     """``runner | batch | TTFT ms | TPOT ms | e2e ms`` (and the roofline TPOT)."""
     w = _name_width(results)
-    lines = [f"{'runner':<{w}} {'batch':>5} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e ms':>10}"]
+    roof = {row["batch"]: row["step_ms"]
+            for row in results.get("roofline", {}).get("per_batch", [])}
+    head = (f"{'runner':<{w}} {'batch':>5} {'TTFT ms':>9} {'TPOT ms':>9} {'e2e ms':>10} "
+            f"{'roof/TPOT':>9}")
+    lines = [head]
     for name, r in results.get("runners", {}).items():
         if "error" in r:
             lines.append(f"{name:<{w}} ERROR: {r['error'].splitlines()[-1][:90]}")
             continue
         for row in r.get("batches", []):
+            tpot, bound = row.get("tpot_ms"), roof.get(row["batch_size"])
+            frac = bound / tpot if bound and tpot else None
             lines.append(f"{name:<{w}} {row['batch_size']:>5} {_f(row['ttft_ms'], '9.2f')} "
-                         f"{_f(row['tpot_ms'], '9.3f')} {_f(row['e2e_ms'], '10.1f')}")
+                         f"{_f(tpot, '9.3f')} {_f(row['e2e_ms'], '10.1f')} {_f(frac, '9.0%')}")
     for row in results.get("roofline", {}).get("per_batch", []):
         lines.append(f"{'roofline':<{w}} {row['batch']:>5} {'':>9} {_f(row['step_ms'], '9.3f')}")
     spec_ratios = {k: v for k, v in results.get("ratios", {}).items()

@@ -1,7 +1,8 @@
 """Step-level benchmarks: what async scheduling and CUDA graphs each buy.
 
-* ``decode``: decode step time with and without CUDA graphs at several batch
-  sizes. Each batch runs twice, ``max_tokens=1`` (prefill only) and
+* ``decode``: ``bench/decode_profile.py`` (kernels, GPU and wall ms of one decode
+  step vs its roofline); with ``--compare-eager`` also the decode step time with and
+  without CUDA graphs at several batch sizes (``decode_step_times``). Each batch runs twice, ``max_tokens=1`` (prefill only) and
   ``1 + steps``; the difference divided by ``steps`` is the time of one decode
   step, wall clock, as a user sees it (launch overhead included).
 * ``timeline``: the same workload with async scheduling off and on, recorded by
@@ -161,13 +162,17 @@ def _default_llm_kwargs(model: str | None, max_model_len: int) -> dict:
 
 
 def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str | None = None,
-        plot: bool = True, tiny: bool = False) -> dict:
+        plot: bool = True, tiny: bool = False, contexts=(128, 1024), decode_steps: int = 32,
+        compare_eager: bool = False) -> dict:
     """``python -m mrv2 bench decode|timeline``: measure, print, write JSON (+ PNG).
 
     Args:
-        kind: ``"decode"`` (step time, graphs vs eager) or ``"timeline"`` (async off vs on).
+        kind: ``"decode"`` (one step's kernels, GPU and wall ms vs its roofline, per batch
+            and context: ``bench/decode_profile.py``) or ``"timeline"`` (async off vs on).
         model: model folder (default: Qwen3-0.6B shape, dummy weights, on a GPU).
         batch_sizes: decode batch sizes (``decode``).
+        contexts, decode_steps: ``decode``: prompt lengths, and steps measured per point.
+        compare_eager: ``decode``: also the wall step time with and without CUDA graphs.
         out: JSON path (default ``benchmarks/results/<kind>_steps.json``).
         plot: also save a PNG next to the JSON.
         tiny: a seconds-long CPU version (embedded model, tiny sizes) for CI.
@@ -181,13 +186,22 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
     if not torch.cuda.is_available():
         kw["dtype"] = "float32"
     if kind == "decode":
+        from mrv2.bench.decode_profile import profile_decode, profile_table
+
         sizes = (1, 2) if tiny else tuple(batch_sizes)
-        graphs = (False,) if not torch.cuda.is_available() else (True, False)
-        result = decode_step_times(kw, sizes, context=8 if tiny else 128, steps=2 if tiny else 48,
-                                   graphs=graphs, repeats=1 if tiny else 2)
-        for key in ("graphs", "eager"):
-            if key in result:
-                print(f"{key:>7}: " + "  ".join(f"B={b}: {ms:.2f} ms" for b, ms in result[key].items()))
+        result = {"profile": profile_decode(
+            kw, sizes, (8,) if tiny else tuple(contexts), steps=2 if tiny else decode_steps,
+            warmup=1 if tiny else 4, repeats=1 if tiny else 2)}
+        print(profile_table(result["profile"]))
+        if compare_eager:
+            graphs = (False,) if not torch.cuda.is_available() else (True, False)
+            result.update(decode_step_times(kw, sizes, context=8 if tiny else 128,
+                                            steps=2 if tiny else 48, graphs=graphs,
+                                            repeats=1 if tiny else 2))
+            for key in ("graphs", "eager"):
+                if key in result:
+                    print(f"{key:>7}: " + "  ".join(f"B={b}: {ms:.2f} ms"
+                                                    for b, ms in result[key].items()))
     elif kind == "timeline":
         args = {"num_requests": 4, "input_len": 8, "output_len": 6, "window": (0, 6)} if tiny else {}
         result = async_timelines(kw, **args)
@@ -206,6 +220,13 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
     if plot:
         import matplotlib
         matplotlib.use("Agg")
-        draw = plot_decode_step_times if kind == "decode" else plot_async_timelines
-        draw(json.loads(pathlib.Path(path).read_text()), path.with_suffix(".png"))
+        data = json.loads(pathlib.Path(path).read_text())
+        if kind == "decode":
+            from mrv2.bench.decode_profile import plot_profile
+
+            plot_profile(data["profile"], path.with_suffix(".png"))
+            if "eager" in data:
+                plot_decode_step_times(data, path.with_name(path.stem + "_eager.png"))
+        else:
+            plot_async_timelines(data, path.with_suffix(".png"))
     return result

@@ -20,6 +20,11 @@ import triton
 import triton.language as tl
 
 from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels.attention_table import (
+    choose_decode_config,
+    heuristic_decode_config,
+    load_table,
+)
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 _LOG2E = 1.4426950408889634
@@ -250,7 +255,8 @@ def _num_sms() -> int:
 def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
                  max_seq_len: int, block_d: int = 128) -> dict:
     """Block sizes, warps, split count and KV-head fold for one launch (host ints only,
-    graph-safe). Compiled decode numbers come from an H200 sweep (scripts/bench_attention.py).
+    graph-safe). Compiled decode launches come from ``attention_table`` (a swept table,
+    ``scripts/sweep_decode_attention.py``, or the heuristic there).
     """
     decode = max_query_len <= 16
     if decode:  # rows = the few query tokens x group, padded to tl.dot's minimum of 16
@@ -269,16 +275,13 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
         cfg["kv_fold"] = max(1, min(fold, 512 // block_d))
         return cfg
     if decode:
-        programs = num_reqs * triton.cdiv(max_query_len, block_q) * num_kv_heads
-        # H200: 2 warps and a 3-4 stage pipeline beat 4/2 by ~10% at 64-256 requests.
-        cfg.update(num_warps=2, num_stages=4 if programs <= 512 else 3)
-        if programs < _num_sms():
-            # Flash-decoding: too few programs to fill the GPU, so split each sequence,
-            # but only into parts of >= 512 keys (shorter parts lose to the merge pass).
-            want = triton.cdiv(8 * _num_sms(), programs)
-            cfg["num_splits"] = max(1, min(want, max_seq_len // 512, 32))
-            if cfg["num_splits"] > 1:  # the split launch was measured with 4 warps, 2 stages
-                cfg.update(num_warps=4, num_stages=2)
+        # The swept table when it was measured on this GPU's SM count, else the heuristic.
+        table = load_table()
+        if table is not None and table["num_sms"] == _num_sms() and max_query_len == 1:
+            cfg.update(choose_decode_config(num_reqs, max_seq_len, num_kv_heads, table))
+        else:
+            cfg.update(heuristic_decode_config(num_reqs, max_seq_len, num_kv_heads, _num_sms(),
+                                               max_query_len, block_q))
     return cfg
 
 

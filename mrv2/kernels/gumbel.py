@@ -23,29 +23,25 @@ order, so the torch reference reproduces the kernel's noise bit for bit):
    positions give distinct keys (each step of a chain is a bijection).
 2. Two independent 32-bit words per logit: ``x = v * 0x9E3779B1`` and
    ``hi = mix(mix(x ^ k1) ^ k2)``, ``lo = mix(mix(x ^ k2) ^ k1)``: 64 random bits.
-3. ``u = (hi * 2**32 + lo + 0.5) / 2**64`` in (0, 1). The Gumbel variate is
-   ``g = -log(E)`` with ``E = -log(u)`` an Exponential(1) variate. The two tails need
-   care in fp32:
-   - the right tail of ``g`` (large values, the ones that win an argmax) comes from
-     ``u -> 1``, where ``E = -log(u)`` is tiny and ``1 - u`` carries all the
-     information. So ``1 - u`` is built directly from the complemented words
-     ``(~hi * 2**32 + ~lo + 0.5) / 2**64`` with full relative precision, and
-     ``E = -log(1 - u')`` with ``u' = 1 - u`` small is ``-log1p(-u')``. Triton has no
-     portable ``log1p``: for ``u' < 2**-4`` (top word < 2**28) a degree-6 series
-     ``u' + u'^2/2 + ... + u'^6/6`` is exact to fp32 precision (truncation < 2**-24
-     relative); otherwise ``E = -log(u)`` where ``u = 1 - u'`` is at most 15/16.
-   - the left tail (very negative ``g``) comes from ``u -> 0``, which the 64-bit
-     ``u`` resolves down to 2**-65.
-   So ``g`` spans about [-3.8, 45.1] with no quantisation at the top (a 24-bit
-   uniform, as an early vLLM version had, caps ``g`` at 16.6 and quantises it above
-   ~10, which under-samples tokens far below the top).
-4. ``log`` is a small fp32 routine of our own (range reduction to [sqrt(2)/2, sqrt(2)),
-   then the classic fdlibm/musl ``logf`` polynomial, < 1 ulp): ``tl.log``, numpy's and
-   torch's ``log`` disagree in the last bit on ~10% of inputs, ours is the same
-   sequence of IEEE operations everywhere. Divisions use ``div_rn`` and the GPU launch
-   turns off FMA contraction, so the GPU noise equals the CPU noise too.
+3. ``u = (hi * 2**32 + lo + 0.5) / 2**64`` in (0, 1); ``g = -log(E)`` with ``E = -log(u)``
+   an Exponential(1) variate. The right tail of ``g`` (the values that win an argmax)
+   comes from ``u -> 1``, where ``1 - u`` carries all the information: it is built from
+   the complemented words ``(~hi * 2**32 + ~lo + 0.5) / 2**64`` with full relative
+   precision, and ``E = -log1p(-u')`` (``u' = 1 - u``) is, for ``u' < 2**-4`` (top word
+   < 2**28), the series ``u' + u'^2/2 + ... + u'^6/6`` (truncation < 2**-24 relative),
+   else ``-log(u)`` with ``u <= 15/16``. The left tail (``u -> 0``) is resolved down to
+   2**-65. So ``g`` spans about [-3.8, 45.1], unquantised at the top (a 24-bit uniform,
+   as an early vLLM version had, caps ``g`` at 16.6 and quantises it above ~10).
+4. ``log`` is our own fp32 routine (range reduction, then the fdlibm/musl ``logf``
+   polynomial, < 1 ulp): ``tl.log``, numpy's and torch's disagree in the last bit on
+   ~10% of inputs. Divisions use ``div_rn`` and the GPU launch turns off FMA
+   contraction, so the GPU noise equals the CPU noise too.
 
-See notebooks/05_gumbel_sampling.ipynb.
+Sampling does not compute all that per logit: ``E = -log(u) >= 1 - u >= ~hi / 2**32``,
+so ``g <= 32 ln 2 - log(~hi)``, one hash word and one fast log bound every score. The
+block's best-bounded logit gets its exact score; when no other bound reaches it (minus a
+rounding slack) it is the block's argmax, else (near-ties) the block computes every exact
+score. The ids are the reference's either way. See notebooks/05_gumbel_sampling.ipynb.
 """
 
 from __future__ import annotations
@@ -85,18 +81,15 @@ _SERIES_TOP = 1 << 28
 
 _LN2_HI: tl.constexpr = tl.constexpr(_LN2_HI_F)
 _LN2_LO: tl.constexpr = tl.constexpr(_LN2_LO_F)
-_LG1: tl.constexpr = tl.constexpr(_LG1_F)
-_LG2: tl.constexpr = tl.constexpr(_LG2_F)
-_LG3: tl.constexpr = tl.constexpr(_LG3_F)
-_LG4: tl.constexpr = tl.constexpr(_LG4_F)
-_C3: tl.constexpr = tl.constexpr(_C3_F)
-_C5: tl.constexpr = tl.constexpr(_C5_F)
-_C6: tl.constexpr = tl.constexpr(_C6_F)
-_TWO_M32: tl.constexpr = tl.constexpr(_TWO_M32_F)
-_TWO_M64: tl.constexpr = tl.constexpr(_TWO_M64_F)
+_LG1, _LG2, _LG3, _LG4 = (tl.constexpr(c) for c in (_LG1_F, _LG2_F, _LG3_F, _LG4_F))
+_C3, _C5, _C6 = (tl.constexpr(c) for c in (_C3_F, _C5_F, _C6_F))
+_TWO_M32, _TWO_M64 = tl.constexpr(_TWO_M32_F), tl.constexpr(_TWO_M64_F)
 _SERIES_TOP_C: tl.constexpr = tl.constexpr(_SERIES_TOP)
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
+# g <= -log(~hi / 2**32) = 32 ln 2 - log(~hi); ~hi = 0 (w >= 2**-65) is floored at 2**-34.
+_G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
+_HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
 
 
 def _launch_options() -> dict:
@@ -220,12 +213,17 @@ def _row_keys(seed, pos):
 
 
 @triton.jit
+def _hash_hi(k1, k2, v):
+    # k1, k2: uint32 row keys; v: int32 vocab ids (broadcastable) -> the high word, uint32.
+    return _mix32(_mix32((v.to(tl.uint32) * 0x9E3779B1) ^ k1) ^ k2)
+
+
+@triton.jit
 def _hash_words(k1, k2, v):
     # k1, k2: uint32 row keys; v: int32 vocab ids (broadcastable) -> (hi, lo) uint32.
     x = v.to(tl.uint32) * 0x9E3779B1
-    hi = _mix32(_mix32(x ^ k1) ^ k2)
     lo = _mix32(_mix32(x ^ k2) ^ k1)
-    return hi, lo
+    return _hash_hi(k1, k2, v), lo
 
 
 @triton.jit
@@ -284,15 +282,16 @@ def _gumbel_noise_kernel(
 
 
 def _blocks(num_rows: int, vocab_size: int, block_v: int | None,
-            block_b: int | None) -> tuple[int, int]:
+            block_b: int | None, gpu_block_v: int = 2048) -> tuple[int, int]:
     if block_v is None:
-        block_v = min(4096 if TRITON_INTERPRET else 2048, triton.next_power_of_2(max(vocab_size, 16)))
+        block_v = min(4096 if TRITON_INTERPRET else gpu_block_v,
+                      triton.next_power_of_2(max(vocab_size, 16)))
     if block_b is None:
         # NOTE: the interpreter runs programs one by one: many rows per program there;
         # on the GPU one row per program already gives B * V / BLOCK_V programs.
-        # NOTE: the kernel is ALU-bound (hash, 2 logf, 3 div_rn per logit), not memory-bound;
-        # 2048 x 4 warps keeps 16 logits per thread (8192 x 8 warps: 32, likely spilling).
-        # `scripts/bench_sampler.py --sweep` times the alternatives.
+        # NOTE: the full noise is ALU-bound (hash, 2 logf, 3 div_rn per logit); sampling
+        # bounds it with one word and one log, and pays a fixed exact score per program:
+        # bigger blocks there. `scripts/bench_sampler.py --sweep` times the alternatives.
         block_b = (min(max(1, 262144 // block_v), triton.next_power_of_2(max(num_rows, 1)))
                    if TRITON_INTERPRET else 1)
     return block_v, block_b
@@ -322,6 +321,18 @@ def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int, *,
 
 # --- Gumbel-max sampling ------------------------------------------------------------
 
+@triton.jit
+def _fast_log(x, FAST: tl.constexpr):
+    # Natural log of positive normal fp32 x, approximate (|error| < 2e-7 absolute): one
+    # MUFU lg2 on the GPU (libdevice's logf is a routine); tl.log in the interpreter.
+    if FAST:
+        lg2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+        return lg2 * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_block_argmax_kernel(
     logits_ptr, idx_mapping_ptr, temperature_ptr, seed_ptr, pos_ptr,    # inputs
@@ -329,6 +340,7 @@ def _gumbel_block_argmax_kernel(
     num_rows, vocab_size,                                                # sizes
     logits_stride, partial_stride,                                       # strides
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     pid_v = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
@@ -342,20 +354,44 @@ def _gumbel_block_argmax_kernel(
     mask = row_mask[:, None] & (cols < vocab_size)[None, :]
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
                 mask=mask, other=float("-inf")).to(tl.float32)               # [BB, BV]
-    # Stage 3: x / T + g for sampled rows, x for greedy rows (the noise only when needed).
+    # Stage 3: sampled rows score x / T + g. g needs two hash words, two logs, three
+    # divisions per logit; but g <= -log(~hi / 2**32) (E >= 1 - u, see below), so a bound
+    # from one word and one approximate log per logit finds the one logit that can win.
     if tl.sum((row_mask & (temp >= _GREEDY_T)).to(tl.int32), axis=0) > 0:
         seed = tl.load(seed_ptr + req, mask=row_mask, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         k1, k2 = _row_keys(seed, pos)
-        hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
-        g = _words_to_gumbel(hi, lo)
         safe_t = tl.where(greedy, 1.0, temp)
-        val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+        hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF  # [BB, BV]
+        g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
+        ub = tl.where(greedy[:, None], x, x * (1.0 / safe_t)[:, None] + g_max)
+        ub_best = tl.max(ub, axis=1)                                          # [BB]
+        best_idx = tl.min(tl.where(ub == ub_best[:, None], cols[None, :], _INT32_MAX), axis=1)
+        # The exact score of that one logit (the same IEEE steps as the full path below).
+        star_ok = row_mask & (best_idx < vocab_size)
+        x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
+                         mask=star_ok, other=float("-inf")).to(tl.float32)   # [BB]
+        h_s, l_s = _hash_words(k1, k2, best_idx)
+        best = tl.where(greedy, x_star,
+                        tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
+        # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
+        # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
+        # scores strictly below best, so one candidate left means it is the block's argmax.
+        slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
+        n_cand = tl.sum((ub >= (best - slack)[:, None]).to(tl.int32), axis=1)
+        done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
+        if tl.sum((row_mask & ~done).to(tl.int32), axis=0) > 0:
+            # Rare (near-ties, many logits close to the top): every logit's exact score.
+            hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
+            g = _words_to_gumbel(hi, lo)
+            val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+            # Stage 4: block max, ties to the lowest index; an all -inf block: its first id.
+            best = tl.max(val, axis=1)                                        # [BB]
+            best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX),
+                              axis=1)
     else:
-        val = x
-    # Stage 4: block max, ties to the lowest index; an all -inf block reports its first id.
-    best = tl.max(val, axis=1)                                                # [BB]
-    best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX), axis=1)
+        best = tl.max(x, axis=1)                                              # [BB]
+        best_idx = tl.min(tl.where(x == best[:, None], cols[None, :], _INT32_MAX), axis=1)
     if SINGLE_BLOCK:
         tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
     else:
@@ -416,24 +452,27 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b)
+    block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b, gpu_block_v=4096)
     num_blocks = triton.cdiv(vocab_size, block_v)
     grid = (triton.cdiv(num_rows, block_b), num_blocks)
     opts = _launch_options()
+    # NOTE: the bound's log only: an NVIDIA GPU's lg2.approx (MUFU); the exact ids never
+    # depend on it (the slack covers its error).
+    fast_log = not TRITON_INTERPRET and torch.version.hip is None
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or (8 if block_v >= 8192 else 4)
+        opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
     if num_blocks == 1:
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,
             num_rows, vocab_size, logits.stride(0), 0,
-            BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=True, **opts)
+            BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=True, FAST_LOG=fast_log, **opts)
         return out
     block_max = torch.empty(num_rows, num_blocks, dtype=torch.float32, device=logits.device)
     block_idx = torch.empty(num_rows, num_blocks, dtype=torch.int32, device=logits.device)
     _gumbel_block_argmax_kernel[grid](
         logits, idx_mapping, temperature, seed, pos, block_max, block_idx, out,
         num_rows, vocab_size, logits.stride(0), num_blocks,
-        BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=False, **opts)
+        BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=False, FAST_LOG=fast_log, **opts)
     block_nb = triton.next_power_of_2(num_blocks)
     rb = (min(max(1, 16384 // block_nb), triton.next_power_of_2(num_rows))
           if TRITON_INTERPRET else 4)

@@ -17,9 +17,12 @@ bits flipped for negatives, orders like the floats), so it ends on an exact logi
 value after at most 32 bits: each pass over the row tests ``NUM_PIVOTS`` candidate
 thresholds at once ([BLOCK_V, NUM_PIVOTS] compares), so 16 pivots need 8 passes.
 One program owns one row (through ``idx_mapping``) and loops over its vocabulary
-blocks: 1 pass for max / min, 8 search passes (which also sum ``Z``), 1 pass that
-writes -inf over the removed logits in place. Rows with every filter off (or greedy
-rows) return at once.
+blocks: 1 pass for max / min, up to 8 search passes (the first also sums ``Z``; a
+converged bracket skips the rest), 1 pass that writes -inf over the removed logits in
+place. Each thread keeps its own partial counts / masses over a whole pass (one
+cross-thread reduction per pass, not per block), and a row runs only the searches it
+uses (top-k alone counts, top-p alone sums masses, min-p alone one ``Z`` pass). Rows
+with every filter off (or greedy rows) return at once.
 
 Ties exactly at the threshold: every token tied with the threshold value is kept
 (a sort keeps only those that happen to come first). The top token always stays.
@@ -38,6 +41,75 @@ from mrv2.platform import TRITON_INTERPRET
 
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
+
+
+@triton.jit
+def _key(s):
+    # fp32 -> int32 key ordered like the floats (low 31 bits flipped for negatives).
+    bits = s.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
+            DO_K: tl.constexpr, DO_P: tl.constexpr,
+            BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, NUM_ROUNDS: tl.constexpr):
+    # The top-k and/or top-p threshold keys (each the smallest key t in (lo, hi] where its
+    # predicate holds: count(s > t) < k, mass(s > t) < top_p * Z), and Z = sum(exp(s - m)).
+    # NOTE: per-thread partial counts/masses [BV, P] are reduced once per pass, not per block.
+    cols0 = tl.arange(0, BLOCK_V)
+    j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)                           # [P]
+    lo_k = key_min - 1
+    hi_k = key_m
+    lo_p = key_min - 1
+    hi_p = key_m
+    z = 0.0
+    for rnd in range(NUM_ROUNDS):
+        # A converged bracket (hi = lo + 1) needs no pass; round 0 always runs (it sums Z).
+        active = rnd == 0
+        if DO_K:
+            active = active | (hi_k - lo_k > 1)
+        if DO_P:
+            active = active | (hi_p - lo_p > 1)
+        if active:
+            piv_k = (lo_k + ((hi_k - lo_k) * j) // NUM_PIVOTS).to(tl.int32)     # [P]
+            piv_p = (lo_p + ((hi_p - lo_p) * j) // NUM_PIVOTS).to(tl.int32)     # [P]
+            cnt = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
+            mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
+            z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in range(0, vocab_size, BLOCK_V):
+                cols = start + cols0
+                s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
+                                           other=float("-inf")).to(tl.float32), temp)
+                key = _key(s)[:, None]                                         # [BV, 1]
+                if DO_K:
+                    cnt += (key > piv_k[None, :]).to(tl.int32)                 # [BV, P]
+                if DO_P:
+                    e = tl.exp(s - m)                                          # [BV]
+                    z_acc += e
+                    mass += tl.where(key > piv_p[None, :], e[:, None], 0.0)    # [BV, P]
+                else:
+                    if rnd == 0:
+                        z_acc += tl.exp(s - m)
+            if rnd == 0:
+                z = tl.sum(z_acc, axis=0)
+            # Predicates are monotone along the (non-decreasing) pivots: the first pivot
+            # that holds is the new hi, the last that fails the new lo.
+            if DO_K:
+                found = tl.sum(cnt, axis=0).to(tl.float32) < k.to(tl.float32)   # [P]
+                hi_k = tl.min(tl.where(found, piv_k.to(tl.int64), hi_k), axis=0)
+                lo_k = tl.max(tl.where(found, lo_k, piv_k.to(tl.int64)), axis=0)
+            if DO_P:
+                found = tl.sum(mass, axis=0) < top_p * z
+                hi_p = tl.min(tl.where(found, piv_p.to(tl.int64), hi_p), axis=0)
+                lo_p = tl.max(tl.where(found, lo_p, piv_p.to(tl.int64)), axis=0)
+    if DO_K and DO_P:
+        thresh = tl.maximum(hi_k, hi_p)
+    elif DO_K:
+        thresh = hi_k
+    else:
+        thresh = hi_p
+    return thresh, z
 
 
 @triton.jit
@@ -69,45 +141,21 @@ def _top_k_top_p_min_p_kernel(
                                        other=float("-inf")).to(tl.float32), temp)
             m = tl.maximum(m, tl.max(s, axis=0))
             s_min = tl.minimum(s_min, tl.min(tl.where(s > float("-inf"), s, float("inf")), axis=0))
-        # Stage 3: two searches side by side, row 0 of a [2, P] pivot table for top-k
-        # (predicate: count(s > t) < k), row 1 for top-p (mass(s > t) < top_p * Z).
-        # Each looks for the smallest key t in (lo, hi] where its predicate holds; it
-        # holds at hi = key(m) and is taken to fail at lo = key(s_min) - 1.
-        # NOTE: key(s) = the fp32 bits, low 31 flipped for negatives: int order = float order.
-        m_bits = m.to(tl.int32, bitcast=True)
-        key_m = (m_bits ^ ((m_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-        min_bits = s_min.to(tl.int32, bitcast=True)
-        key_min = (min_bits ^ ((min_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-        is_k = (tl.arange(0, 2) == 0)[:, None]                                # [2, 1]
-        lo = tl.zeros([2], dtype=tl.int64) + (key_min - 1)                    # [2]
-        hi = tl.zeros([2], dtype=tl.int64) + key_m                            # [2]
-        j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)[None, :]              # [1, P]
-        z = 0.0
-        for rnd in range(NUM_ROUNDS):
-            piv = lo[:, None] + ((hi - lo)[:, None] * j) // NUM_PIVOTS         # [2, P]
-            piv32 = piv.to(tl.int32)[None, :, :]                               # [1, 2, P]
-            acc = tl.zeros([2, NUM_PIVOTS], dtype=tl.float32)  # count (row 0), mass (row 1)
-            z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-            for start in range(0, vocab_size, BLOCK_V):
-                cols = start + cols0
-                s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
-                                           other=float("-inf")).to(tl.float32), temp)
-                e = tl.exp(s - m)                                              # [BV]
-                bits = s.to(tl.int32, bitcast=True)
-                key = (bits ^ ((bits >> 31) & 0x7FFFFFFF))[:, None, None]      # [BV, 1, 1]
-                weight = tl.where(is_k[None, :, :], 1.0, e[:, None, None])     # [BV, 2, 1]
-                acc += tl.sum(tl.where(key > piv32, weight, 0.0), axis=0)      # [2, P]
-                z_acc += e
-            if rnd == 0:
-                z = tl.sum(z_acc, axis=0)
-            found = tl.where(is_k, acc < k.to(tl.float32), acc < top_p * z)    # [2, P]
-            # Predicates are monotone along the (non-decreasing) pivots: the first
-            # pivot that holds is the new hi, the last that fails the new lo.
-            hi = tl.min(tl.where(found, piv, hi[:, None]), axis=1)
-            lo = tl.max(tl.where(found, lo[:, None], piv), axis=1)
+        # Stage 3: the searches the row uses (key(s_min) - 1 fails, key(m) holds).
+        key_m = _key(m).to(tl.int64)
+        key_min = _key(s_min).to(tl.int64)
+        if use_k & use_p:
+            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
+                                True, True, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
+        elif use_k:
+            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
+                                True, False, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
+        else:
+            # top-p alone, or min-p alone (then one round only sums Z; the threshold is off)
+            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
+                                False, True, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
+            thresh = tl.where(use_p, thresh, -2**31)
         # Stage 4: one threshold (the larger of the active ones); the top token stays.
-        use = tl.where(tl.arange(0, 2) == 0, use_k, use_p)
-        thresh = tl.max(tl.where(use, hi, _INT32_MIN), axis=0)
         thresh = tl.minimum(thresh, key_m).to(tl.int32)
         # NOTE: min_p <= 0 gives p_floor <= 0, which no probability is below: off for free.
         p_floor = min_p * (1.0 / z)
@@ -117,8 +165,7 @@ def _top_k_top_p_min_p_kernel(
             mask = cols < vocab_size
             s = tl.math.div_rn(tl.load(row_ptr + cols, mask=mask,
                                        other=float("-inf")).to(tl.float32), temp)
-            bits = s.to(tl.int32, bitcast=True)
-            drop = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) < thresh
+            drop = _key(s) < thresh
             drop = drop | (tl.exp(s - m) / z < p_floor)
             drop = drop & (s < m) & (s > float("-inf"))
             neg_inf = tl.full([BLOCK_V], float("-inf"), tl.float32)

@@ -1,0 +1,167 @@
+"""``bench decode``: what one decode step costs on the GPU, kernel by kernel, vs its roofline.
+
+For each context and batch size, the same prompts run twice through ``LLM.generate``:
+``1 + warmup`` output tokens, then ``1 + warmup + steps``. Everything but the last
+``steps`` decode steps is the same in both runs (prefix caching is off, so the prefill
+repeats), so the difference of any count divided by ``steps`` is the cost of one decode
+step in the steady state: wall ms (timed without the profiler), and from the torch
+profiler the kernels launched, their GPU ms, and a per-kernel table. CUDA graphs are on
+(the V2 default), so the step is whatever the replayed graph and the few kernels around
+it do. The roofline of the step (weights + the requests' cached K/V read once at the
+measured copy bandwidth, ``bench/roofline.py``) gives the fraction reached.
+
+On the CPU the profiler sees no GPU kernels: the figures come from the top-level torch
+ops of the interpreter's run and say nothing about a GPU (the tiny preset only checks
+that the benchmark runs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import torch
+
+from mrv2 import LLM, SamplingParams, platform
+from mrv2.bench.roofline import copy_bandwidth, decode_roofline, model_info
+from mrv2.bench.steps import _prompts, _timed_generate
+from mrv2.bench.timing import free_device_memory
+
+
+def _kernel_totals(llm: LLM, prompts, sp) -> dict[str, list[float]]:
+    """``{name: [launches, total us]}`` of the device kernels (CPU: top-level ops) of a run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
+    with profile(activities=acts) as prof:
+        llm.generate(prompts, sp, use_tqdm=False)
+        if platform.HAS_CUDA:
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        on_device = evt.device_type != torch.autograd.DeviceType.CPU
+        if on_device if platform.HAS_CUDA else (evt.cpu_parent is None
+                                                and evt.name.startswith("aten::")):
+            t = totals[evt.name]
+            t[0] += 1
+            t[1] += evt.time_range.elapsed_us()
+    return dict(totals)
+
+
+def step_kernels(short: dict, long: dict, steps: int) -> list[dict]:
+    """Per-kernel cost of one step: ``(long - short) / steps``, most expensive first.
+
+    Args:
+        short, long: ``_kernel_totals`` of the two runs.
+        steps: decode steps ``long`` has beyond ``short``.
+
+    Returns:
+        ``[{"name", "launches_per_step", "ms_per_step"}]`` (kernels the long run added).
+    """
+    rows = []
+    for name, (n, us) in long.items():
+        n0, us0 = short.get(name, (0, 0.0))
+        if n > n0:
+            rows.append({"name": name, "launches_per_step": (n - n0) / steps,
+                         "ms_per_step": max(us - us0, 0.0) / steps / 1e3})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
+def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
+                   contexts=(128, 1024), steps: int = 32, warmup: int = 4,
+                   temperature: float = 0.6, repeats: int = 2, top: int = 15) -> dict:
+    """Kernels, GPU ms and wall ms of one decode step per (context, batch), vs the roofline.
+
+    Args:
+        llm_kwargs: ``LLM`` arguments; ``max_num_seqs`` and prefix caching are set here.
+        batch_sizes, contexts: the grid (context = prompt tokens of every request).
+        steps: decode steps measured (the difference of the two runs).
+        warmup: decode steps both runs share before the measured ones.
+        temperature: of every request (0: greedy, no Gumbel noise).
+        repeats: wall-clock pairs per point (the median counts).
+        top: rows of the per-kernel table kept per point.
+
+    Returns:
+        ``{"settings", "bandwidth_gbs", "model_info", "points": [...]}``, each point with
+        ``kernels_per_step``, ``gpu_ms_per_step``, ``wall_ms_per_step``, ``roofline``,
+        ``roofline_fraction_gpu`` / ``_wall`` and ``kernels`` (the table).
+    """
+    llm = LLM(**{**llm_kwargs, "max_num_seqs": max(batch_sizes),
+                 "enable_prefix_caching": False})
+    info = model_info(llm.model, llm.hf_config, llm.dtype)
+    bw = copy_bandwidth(platform.DEVICE, None if platform.HAS_CUDA else 8 << 20)
+    vocab = llm.hf_config.vocab_size
+    points = []
+    for ctx in contexts:
+        for b in batch_sizes:
+            prompts = _prompts(b, ctx, vocab, seed=b * 7919 + ctx)
+            sp = [SamplingParams(temperature=temperature, max_tokens=1 + warmup + n,
+                                 ignore_eos=True, seed=0) for n in (0, steps)]
+            _timed_generate(llm, prompts, sp[1])  # warm-up: compiles, graph captures
+            wall = statistics.median(
+                (_timed_generate(llm, prompts, sp[1]) - _timed_generate(llm, prompts, sp[0]))
+                / steps * 1e3 for _ in range(repeats))
+            table = step_kernels(_kernel_totals(llm, prompts, sp[0]),
+                                 _kernel_totals(llm, prompts, sp[1]), steps)
+            gpu_ms = sum(r["ms_per_step"] for r in table)
+            # the measured steps read contexts ctx + 1 + warmup ... ctx + warmup + steps
+            roof = decode_roofline(info["weight_bytes"], info["kv_bytes_per_token"], b,
+                                   ctx + warmup + (steps + 1) / 2, bw["bandwidth_gbs"])
+            points.append({
+                "batch": b, "context": ctx,
+                "kernels_per_step": sum(r["launches_per_step"] for r in table),
+                "gpu_ms_per_step": gpu_ms, "wall_ms_per_step": wall, "roofline": roof,
+                "roofline_fraction_gpu": roof["step_ms"] / gpu_ms if gpu_ms > 0 else None,
+                "roofline_fraction_wall": roof["step_ms"] / wall if wall > 0 else None,
+                "kernels": table[:top]})
+    del llm  # NOTE: the last reference: only then can its memory go back
+    free_device_memory()
+    return {"settings": {"steps": steps, "warmup": warmup, "temperature": temperature,
+                         "repeats": repeats, "cuda_graphs": not llm_kwargs.get("enforce_eager"),
+                         "meaningful": platform.HAS_CUDA},
+            "bandwidth_gbs": bw["bandwidth_gbs"], "model_info": info, "points": points}
+
+
+def profile_table(result: dict, kernels: int = 15) -> str:
+    """One line per point, then each point's top kernels."""
+    head = (f"{'batch':>5} {'ctx':>5} {'kernels':>8} {'GPU ms':>8} {'wall ms':>8} "
+            f"{'roof ms':>8} {'roof/GPU':>8} {'roof/wall':>9}")
+    lines = [head]
+    for p in result["points"]:
+        fg, fw = p["roofline_fraction_gpu"], p["roofline_fraction_wall"]
+        lines.append(f"{p['batch']:>5} {p['context']:>5} {p['kernels_per_step']:>8.1f} "
+                     f"{p['gpu_ms_per_step']:>8.3f} {p['wall_ms_per_step']:>8.3f} "
+                     f"{p['roofline']['step_ms']:>8.3f} "
+                     f"{fg if fg is None else format(fg, '8.0%'):>8} "
+                     f"{fw if fw is None else format(fw, '9.0%'):>9}")
+    for p in result["points"]:
+        lines.append(f"-- batch {p['batch']}, context {p['context']}: top kernels "
+                     "(launches/step, ms/step)")
+        for r in p["kernels"][:kernels]:
+            lines.append(f"   {r['launches_per_step']:6.1f} {r['ms_per_step']:8.4f}  "
+                         f"{r['name'][:90]}")
+    return "\n".join(lines)
+
+
+def plot_profile(result: dict, path=None):
+    """Wall, GPU kernel and roofline ms per step, one group of bars per (context, batch)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    pts = result["points"]
+    x = np.arange(len(pts))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(pts) + 2), 3.8))
+    for i, (key, label) in enumerate((("wall_ms_per_step", "wall"),
+                                      ("gpu_ms_per_step", "GPU kernels"),
+                                      (None, "roofline"))):
+        vals = [p["roofline"]["step_ms"] if key is None else p[key] for p in pts]
+        ax.bar(x + (i - 1) * 0.27, vals, 0.27, label=label)
+    ax.set_xticks(x, [f"B={p['batch']}\nctx {p['context']}" for p in pts], fontsize=7)
+    ax.set_ylabel("ms per decode step")
+    title = "decode step vs its roofline (CUDA graphs)"
+    ax.set_title(title if result["settings"]["meaningful"] else title + ": CPU, meaningless")
+    ax.legend()
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

@@ -1,0 +1,178 @@
+"""Sweep the decode-attention launch (splits, key block, warps, stages) over batch x context.
+
+For each grid point of ``mrv2.kernels.attention_table`` (batch 1..256, context 128..4096,
+the Qwen3-0.6B attention shape: 16 heads, 8 KV heads, head dim 128, pages of 16, bf16),
+times every candidate launch of ``paged_attention`` replayed in a CUDA graph, keeps the
+fastest, and reports the KV bytes read per second as a fraction of the copy bandwidth.
+Writes every figure to ``benchmarks/results/`` and, with ``--write-table``, the table
+``attention.py`` reads (``mrv2/assets/attention_decode_table.json``): commit both.
+
+    python scripts/sweep_decode_attention.py --write-table          # GPU, ~3-5 minutes
+    python scripts/sweep_decode_attention.py --quick --write-table  # fewer candidates
+    python scripts/sweep_decode_attention.py --smoke --out /tmp/s.json   # CPU, tiny
+
+NOTE: at the smallest points (batch 1-4, short contexts) the KV cache fits in L2 and the
+graph replays hit it, so their fraction of copy bandwidth can pass 100%; the choice
+(the fastest launch) is still the one to take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+# NOTE: mrv2 first: it switches Triton to its interpreter on a machine without CUDA.
+from mrv2.platform import HAS_CUDA  # noqa: I001
+
+import torch
+import triton
+
+from bench_attention import copy_bandwidth_tbs, decode_batch
+from mrv2.kernels.attention import _num_sms, paged_attention
+from mrv2.kernels.attention_table import (
+    GRID_BATCH,
+    GRID_CONTEXT,
+    TABLE_PATH,
+    heuristic_decode_config,
+    validate_table,
+)
+
+SPLITS = (1, 2, 4, 8, 16, 32)
+BLOCK_N = (32, 64, 128)
+WARPS_STAGES = ((2, 3), (2, 4), (4, 2), (4, 3), (8, 2))
+QUICK = {"splits": (1, 2, 4, 8, 16), "block_n": (64, 128), "warps_stages": ((2, 3), (4, 2))}
+
+
+def _time_us(fn) -> float:
+    """Median microseconds of fn() replayed in a CUDA graph (CPU: one timed call)."""
+    if not HAS_CUDA:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3
+    except Exception:  # noqa: BLE001  (an older Triton: plain launches)
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def candidates(ctx: int, quick: bool, smoke: bool) -> list[dict]:
+    """Launches worth timing at one context (every split gets at least one key tile)."""
+    if smoke:
+        return [{"num_splits": s, "block_n": 64, "num_warps": 4, "num_stages": 2} for s in (1, 2)]
+    sp, bn, ws = ((QUICK["splits"], QUICK["block_n"], QUICK["warps_stages"]) if quick
+                  else (SPLITS, BLOCK_N, WARPS_STAGES))
+    return [{"num_splits": s, "block_n": n, "num_warps": w, "num_stages": st}
+            for s in sp for n in bn for w, st in ws if s <= triton.cdiv(ctx, n)]
+
+
+def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: float,
+                quick: bool, smoke: bool) -> dict:
+    """Time the candidates of one (batch, context); returns the best and the heuristic."""
+    h, h_kv, d = shape
+    q, kv_cache, md = decode_batch(b, ctx, h, h_kv, d, 16, dtype, seed=b + ctx)
+    kv_bytes = b * ctx * h_kv * d * 2 * kv_cache.element_size()
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+    heur = heuristic_decode_config(b, ctx, h_kv, _num_sms() if HAS_CUDA else 132)
+    expected = paged_attention(q, kv_cache, md, scale, config=heur).float()
+    timings = []
+    for cfg in candidates(ctx, quick, smoke):
+        try:
+            us = _time_us(lambda cfg=cfg: paged_attention(q, kv_cache, md, scale, out,
+                                                          config=cfg))
+        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+            print(f"  b={b} ctx={ctx} {cfg} failed: {type(e).__name__}")
+            continue
+        timings.append({**cfg, "us": us})
+    best = min(timings, key=lambda t: t["us"])
+    cfg = {k: best[k] for k in ("num_splits", "block_n", "num_warps", "num_stages")}
+    err = (paged_attention(q, kv_cache, md, scale, config=cfg).float() - expected).abs().max()
+    heur_us = next((t["us"] for t in timings if all(t[k] == heur[k] for k in heur)), None)
+    if heur_us is None:
+        heur_us = _time_us(lambda: paged_attention(q, kv_cache, md, scale, out, config=heur))
+    tbs = kv_bytes / (best["us"] * 1e-6) / 1e12
+    return {"batch": b, "context": ctx, **cfg, "us": best["us"], "kv_bytes": kv_bytes,
+            "tbs": tbs, "frac_of_copy": tbs / copy_tbs, "heuristic": heur,
+            "heuristic_us": heur_us, "max_abs_diff_vs_heuristic": float(err),
+            "timings": timings}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the sweep; returns the results it wrote."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (runs on the CPU)")
+    ap.add_argument("--quick", action="store_true", help="fewer candidate launches")
+    ap.add_argument("--max-seconds", type=float, default=420.0,
+                    help="stop sweeping after this long (missing points: the heuristic)")
+    ap.add_argument("--write-table", action="store_true",
+                    help=f"also write the chooser's table ({TABLE_PATH.relative_to(ROOT)})")
+    ap.add_argument("--table-out", default=str(TABLE_PATH))
+    ap.add_argument("--out", default=None, help="all figures (default benchmarks/results/"
+                    "attention_decode_sweep_<date>.json)")
+    args = ap.parse_args(argv)
+    if not HAS_CUDA and not args.smoke:
+        ap.error("the sweep needs a CUDA GPU; use --smoke on the CPU")
+    shape = (4, 2, 16) if args.smoke else (16, 8, 128)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    grid = ([(1, 40), (2, 130)] if args.smoke
+            else [(b, c) for b in GRID_BATCH for c in GRID_CONTEXT])
+    copy_tbs = copy_bandwidth_tbs(args.smoke)
+    t0 = time.perf_counter()
+    points = []
+    for b, c in grid:
+        if time.perf_counter() - t0 > args.max_seconds:
+            print(f"time budget spent: b={b} ctx={c} and later keep the heuristic")
+            break
+        p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke)
+        points.append(p)
+        print(f"b={b:>4} ctx={c:>5} best splits={p['num_splits']:>2} block_n={p['block_n']:>3} "
+              f"warps={p['num_warps']} stages={p['num_stages']} {p['us']:8.1f} us "
+              f"{100 * p['frac_of_copy']:5.0f}% of copy (heuristic {p['heuristic_us']:.1f} us)",
+              flush=True)
+    date = datetime.datetime.now(datetime.timezone.utc)
+    hw = torch.cuda.get_device_name() if HAS_CUDA else "cpu"
+    result = {"benchmark": "decode attention launch sweep", "hardware": hw,
+              "torch": torch.__version__, "triton": triton.__version__,
+              "date": date.isoformat(timespec="seconds"), "smoke": args.smoke,
+              "shape": {"num_heads": shape[0], "num_kv_heads": shape[1], "head_dim": shape[2],
+                        "block_size": 16}, "copy_tbs": copy_tbs, "points": points}
+    out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" /
+                       f"attention_decode_sweep_{date:%Y-%m-%d}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    if args.write_table:
+        num_sms = _num_sms() if HAS_CUDA else 132
+        swept = {(p["batch"], p["context"]): p for p in points}
+        entries = []
+        for b in GRID_BATCH:
+            for c in GRID_CONTEXT:
+                p = swept.get((b, c))
+                cfg = ({k: p[k] for k in ("num_splits", "block_n", "num_warps", "num_stages")}
+                       if p else heuristic_decode_config(b, c, shape[1], num_sms))
+                entries.append({"batch": b, "context": c, **cfg,
+                                **({"us": round(p["us"], 2),
+                                    "frac_of_copy": round(p["frac_of_copy"], 3)} if p else {})})
+        table = validate_table({"source": f"scripts/sweep_decode_attention.py, {hw}, "
+                                          f"{date:%Y-%m-%d}, {len(points)} points swept",
+                                "num_sms": num_sms, "num_kv_heads": shape[1],
+                                "entries": entries})
+        pathlib.Path(args.table_out).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.table_out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The Gumbel sampler's one-word bound: g <= 32 ln 2 - log(~hi), and both kernel paths.
+
+The kernel scores every logit with an upper bound from the first hash word only, computes
+the exact score of the best-bounded logit, and falls back to every exact score only when
+another logit's bound comes within a slack of it. These tests check the bound on the RNG's
+extreme words, and that both paths (the fast one and the fallback) return the reference's
+ids, with one row per program so that each row takes its own path.
+"""
+
+import math
+
+import torch
+from device_utils import on_device
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2.kernels.gumbel import (
+    GREEDY_TEMPERATURE,
+    gumbel_sample,
+    gumbel_sample_ref,
+    hash_words_ref,
+    words_to_gumbel_ref,
+)
+
+gumbel_sample = on_device(gumbel_sample)
+_G_TOP = 32 * math.log(2.0)
+
+
+def _bound(hi: torch.Tensor) -> torch.Tensor:
+    """The kernel's per-logit bound on g, in float64 (exact log)."""
+    hi_c = (hi ^ 0xFFFFFFFF).to(torch.float64).clamp(min=2.0 ** -34)
+    return _G_TOP - hi_c.log()
+
+
+def test_bound_holds_on_extreme_and_random_words():
+    # ~hi = 0, 1, 2, ... (w -> 0, the top of g), around the series switch at 2**28,
+    # and near 2**32 (u -> 0); every lo extreme with each.
+    hi_c = torch.tensor([0, 1, 2, 3, 255, 2**24 - 1, 2**24, 2**28 - 1, 2**28, 2**28 + 1,
+                         2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    lo = torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    hi = (hi_c[:, None] ^ 0xFFFFFFFF).expand(-1, lo.numel()).reshape(-1)
+    lo = lo.repeat(hi_c.numel())
+    g = torch.Generator().manual_seed(0)
+    hi = torch.cat([hi, torch.randint(0, 2**32, (200_000,), generator=g)])
+    lo = torch.cat([lo, torch.randint(0, 2**32, (200_000,), generator=g)])
+    gum = words_to_gumbel_ref(hi, lo).double()
+    # the kernel's slack is 1e-4 + 2**-18 * (|best| + 92): the bound alone needs far less
+    assert (gum <= _bound(hi) + 2e-5).all()
+    # and it is tight at the top of g: within log(1 + 1 / ~hi) (the unseen lo) + w / 2
+    hi_c = (hi ^ 0xFFFFFFFF).double()
+    top = (hi_c >= 1) & (hi_c < 2**20)
+    assert top.sum() > 10
+    assert ((_bound(hi) - gum)[top] <= torch.log1p(1 / hi_c[top]) + 1e-3).all()
+
+
+def _fallback_rows_ref(logits, idx_mapping, temperature, seed, pos, block_v):
+    """Which rows take the kernel's fallback (a torch mirror of its decision, float64 bound)."""
+    req = idx_mapping.long()
+    temp = temperature[req]
+    hi, _ = hash_words_ref(seed[req], pos, logits.shape[1])
+    safe_t = torch.where(temp < GREEDY_TEMPERATURE, 1.0, temp).double()
+    ub = logits.double() / safe_t[:, None] + _bound(hi)
+    noise = words_to_gumbel_ref(*hash_words_ref(seed[req], pos, logits.shape[1]))
+    score = logits / safe_t.float()[:, None] + noise
+    out = torch.zeros(logits.shape[0], dtype=torch.bool)
+    for start in range(0, logits.shape[1], block_v):
+        blk_ub, blk_s = ub[:, start:start + block_v], score[:, start:start + block_v]
+        star = blk_ub.argmax(dim=1, keepdim=True)
+        best = blk_s.gather(1, star).double()
+        slack = 1e-4 + (best.abs() + 92.0) * 2.0 ** -18
+        out |= (blk_ub >= best - slack).sum(dim=1) > 1
+    return out & (temp >= GREEDY_TEMPERATURE)
+
+
+def test_fast_path_and_fallback_both_equal_the_reference():
+    g = torch.Generator().manual_seed(11)
+    num_rows, vocab, block_v = 48, 700, 256                    # 3 blocks, the last one partial
+    logits = torch.randn(num_rows, vocab, generator=g) * 2
+    logits[0:8] = 0.0                                          # flat rows: the top noise wins
+    logits[8:16, :50] = 7.0                                    # 50-way ties at the top
+    logits[16:24] *= 40.0                                      # peaked rows
+    logits[24:28, 300:] = float("-inf")                        # whole masked blocks
+    logits[28:30, 10] = 1e4                                    # one far-ahead token
+    temp = torch.rand(num_rows, generator=g) * 1.5 + 0.2
+    temp[30:34] = 0.0                                          # greedy rows
+    temp[34:38] = 2e-5                                         # barely sampled: big |x / T|
+    temp[38:42] = 1e3                                          # very flat
+    seed = torch.randint(0, 2**62, (num_rows,), generator=g)
+    pos = torch.randint(0, 10_000, (num_rows,), generator=g)
+    idx = torch.arange(num_rows, dtype=torch.int32)
+    fallback = _fallback_rows_ref(logits, idx, temp, seed, pos, block_v)
+    assert fallback.any() and (~fallback).sum() > num_rows // 2   # both paths are exercised
+    out = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=1)
+    assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))
+    # the same rows, several per program (any fallback in a tile takes the whole tile)
+    out4 = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=4)
+    assert torch.equal(out4, out)
+
+
+def test_one_block_and_one_row():
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(1, 100, generator=g)
+    temp, seed = torch.tensor([0.7]), torch.tensor([5], dtype=torch.int64)
+    pos, idx = torch.tensor([3]), torch.zeros(1, dtype=torch.int32)
+    out = gumbel_sample(logits, idx, temp, seed, pos, block_v=128, block_b=1)  # SINGLE_BLOCK
+    assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))
