@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mrv2.exercises import ExerciseFailed, check_gumbel_argmax_kernel, check_prepare_inputs
+from mrv2.exercises import (
+    ExerciseFailed,
+    check_gumbel_argmax_kernel,
+    check_prepare_inputs,
+    check_slot_mapping_kernel,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "notebooks" / "solutions").glob("*.py"))
@@ -41,8 +46,9 @@ def test_learner_copies_hold_no_outputs_and_no_solutions():
         assert "widgets" not in nb["metadata"], path.name
 
 
-def test_every_chapter_from_04_and_05_has_an_exercise():
-    assert {p.stem for p in SOLUTIONS} >= {"04_triton_input_prep", "05_gumbel_sampling"}
+def test_the_kernel_chapters_have_an_exercise():
+    assert {p.stem for p in SOLUTIONS} >= {"03_gather_block_tables", "04_triton_input_prep",
+                                           "05_gumbel_sampling"}
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
@@ -136,3 +142,42 @@ def test_wrong_gumbel_kernels_fail():
             check_gumbel_argmax_kernel(wrong)
     with pytest.raises(TypeError, match="@triton.jit"):
         check_gumbel_argmax_kernel(lambda: None)
+
+
+@pytest.mark.slow
+def test_wrong_slot_mapping_kernels_fail():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def no_loop(idx_mapping_ptr, query_start_loc_ptr, positions_ptr, block_table_ptr,
+                out_ptr, table_stride, block_size, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        row = tl.load(idx_mapping_ptr + b)
+        start = tl.load(query_start_loc_ptr + b)
+        end = tl.load(query_start_loc_ptr + b + 1)
+        t = start + tl.arange(0, BLOCK)                       # only the first BLOCK tokens
+        mask = t < end
+        pos = tl.load(positions_ptr + t, mask=mask, other=0)
+        block = tl.load(block_table_ptr + row * table_stride + pos // block_size, mask=mask)
+        tl.store(out_ptr + t, block.to(tl.int64) * block_size + pos % block_size, mask=mask)
+
+    @triton.jit
+    def batch_slot_as_row(idx_mapping_ptr, query_start_loc_ptr, positions_ptr,
+                          block_table_ptr, out_ptr, table_stride, block_size,
+                          BLOCK: tl.constexpr):
+        b = tl.program_id(0)                                  # forgets idx_mapping
+        start = tl.load(query_start_loc_ptr + b)
+        end = tl.load(query_start_loc_ptr + b + 1)
+        for i in range(start, end, BLOCK):
+            t = i + tl.arange(0, BLOCK)
+            mask = t < end
+            pos = tl.load(positions_ptr + t, mask=mask, other=0)
+            block = tl.load(block_table_ptr + b * table_stride + pos // block_size, mask=mask)
+            tl.store(out_ptr + t, block.to(tl.int64) * block_size + pos % block_size, mask=mask)
+
+    for wrong, case in [(no_loop, "more tokens than BLOCK"), (batch_slot_as_row, "decode")]:
+        with pytest.raises(ExerciseFailed, match=case):
+            check_slot_mapping_kernel(wrong)
+    with pytest.raises(TypeError, match="@triton.jit"):
+        check_slot_mapping_kernel(print)

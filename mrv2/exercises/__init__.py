@@ -8,6 +8,12 @@ where it differs. The exercises sit in the chapters' "Exercises" sections; the s
 (``scripts/make_clean_notebooks.py``).
 """
 
-from mrv2.exercises.checks import ExerciseFailed, check_gumbel_argmax_kernel, check_prepare_inputs
+from mrv2.exercises.checks import (
+    ExerciseFailed,
+    check_gumbel_argmax_kernel,
+    check_prepare_inputs,
+    check_slot_mapping_kernel,
+)
 
-__all__ = ["ExerciseFailed", "check_gumbel_argmax_kernel", "check_prepare_inputs"]
+__all__ = ["ExerciseFailed", "check_gumbel_argmax_kernel", "check_prepare_inputs",
+           "check_slot_mapping_kernel"]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from mrv2.kernels.block_table import compute_slot_mappings_ref
 from mrv2.kernels.gumbel import GREEDY_TEMPERATURE, gumbel_noise_ref, gumbel_sample_ref
 from mrv2.kernels.input_prep import prepare_inputs_ref
 
@@ -40,6 +41,85 @@ def _first_diff(name: str, got, want, case: str, inputs: str) -> str | None:
     return (f"case {case!r}: {name}[{i}] is {got.reshape(-1)[i]}, expected "
             f"{want.reshape(-1)[i]} ({bad.size} entries differ)\n  got:      {got.tolist()}"
             f"\n  expected: {want.tolist()}\n  inputs: {inputs}")
+
+
+# --- chapter 03: the slot-mapping kernel -----------------------------------------------------
+
+def _slot_cases(rng: np.random.Generator, block_size: int) -> list[tuple[str, dict]]:
+    """(name, inputs) of check_slot_mapping_kernel: edge cases first, then random batches."""
+    R, NB = 5, 6                                              # rows, blocks per row
+    table = rng.permutation(R * NB).reshape(R, NB).astype(np.int32) + 1   # [R, NB] block ids
+
+    def case(rows, counts, computed, pad):
+        counts = np.asarray(counts, dtype=np.int32)
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)   # [B + 1]
+        pos = np.concatenate([np.arange(c, c + n) for c, n in zip(computed, counts)] + [
+            np.zeros(pad, dtype=np.int64)]).astype(np.int32)              # [T + pad]
+        return {"idx_mapping": np.asarray(rows, dtype=np.int32), "query_start_loc": qsl,
+                "positions": pos, "block_table": table}
+
+    bs = block_size
+    cases = [
+        ("one decode token", case([2], [1], [5], 0)),
+        ("a token on each side of a block boundary", case([1], [2], [bs - 1], 0)),
+        ("a prefill over several blocks (more tokens than BLOCK)", case([0], [3 * bs + 1], [0],
+                                                                       0)),
+        ("padding tokens stay -1", case([3, 4], [2, 1], [0, 2 * bs], 3)),
+    ]
+    for k in range(3):
+        n = int(rng.integers(1, R + 1))
+        counts = rng.integers(1, 2 * bs, size=n)
+        computed = [int(rng.integers(0, NB * bs - c)) for c in counts]
+        cases.append((f"random batch {k}", case(rng.permutation(R)[:n], counts, computed,
+                                                int(rng.integers(0, 4)))))
+    return cases
+
+
+def check_slot_mapping_kernel(kernel, seed: int = 0) -> int:
+    """Check a Triton slot-mapping kernel against ``compute_slot_mappings_ref``.
+
+    The kernel is launched as ``kernel[(num_reqs,)](idx_mapping, query_start_loc,
+    positions, block_table, out, block_table.stride(0), block_size, BLOCK=8)``: one
+    program per request ``b``, for its tokens ``query_start_loc[b] : query_start_loc[b+1]``
+    (more of them than ``BLOCK``: loop), writing ``out[t] = block_table[row, pos //
+    block_size] * block_size + pos % block_size`` with ``row = idx_mapping[b]``, ``pos =
+    positions[t]``. ``out`` (int64) starts at -1, which padding tokens must keep.
+
+    Args:
+        kernel: a ``@triton.jit`` function with that signature.
+        seed: the random cases' seed.
+
+    Returns:
+        The number of cases that passed (all of them).
+
+    Raises:
+        TypeError: ``kernel`` is not a Triton kernel.
+        ExerciseFailed: on the first case with a wrong slot (or when the launch raises).
+    """
+    if not hasattr(kernel, "__getitem__"):
+        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    block_size = 4
+    cases = _slot_cases(np.random.default_rng(seed), block_size)
+    for name, inp in cases:
+        t = {k: torch.from_numpy(v) for k, v in inp.items()}
+        num_reqs, num_tokens = t["idx_mapping"].shape[0], t["positions"].shape[0]
+        want = compute_slot_mappings_ref(t["idx_mapping"], t["query_start_loc"], t["positions"],
+                                         num_reqs, num_tokens, t["block_table"], block_size)
+        out = torch.full((num_tokens,), -1, dtype=torch.int64)
+        try:
+            kernel[(num_reqs,)](t["idx_mapping"], t["query_start_loc"], t["positions"],
+                                t["block_table"], out, t["block_table"].stride(0), block_size,
+                                BLOCK=8)
+        except Exception as e:  # the learner's bug, reported with its case
+            raise ExerciseFailed(f"case {name!r}: the launch raised {type(e).__name__}: "
+                                 f"{str(e)[:400]}") from e
+        shown = {k: v.tolist() for k, v in inp.items() if k != "block_table"}
+        msg = _first_diff("slot_mapping", out.numpy(), want.numpy(), name,
+                          f"{shown}, block_size={block_size}")
+        if msg:
+            raise ExerciseFailed(msg)
+    print(f"check_slot_mapping_kernel: all {len(cases)} cases pass")
+    return len(cases)
 
 
 # --- chapter 04: prepare_inputs in numpy --------------------------------------------------
