@@ -75,7 +75,7 @@ def _slot_cases(rng: np.random.Generator, block_size: int) -> list[tuple[str, di
     return cases
 
 
-def check_slot_mapping_kernel(kernel, seed: int = 0) -> int:
+def check_slot_mapping_kernel(kernel, seed: int = 0) -> None:
     """Check a Triton slot-mapping kernel against ``compute_slot_mappings_ref``.
 
     The kernel is launched as ``kernel[(num_reqs,)](idx_mapping, query_start_loc,
@@ -89,8 +89,8 @@ def check_slot_mapping_kernel(kernel, seed: int = 0) -> int:
         kernel: a ``@triton.jit`` function with that signature.
         seed: the random cases' seed.
 
-    Returns:
-        The number of cases that passed (all of them).
+    Prints how many cases passed (all of them) and returns None, so that a notebook cell
+    ending in the check shows only that line.
 
     Raises:
         TypeError: ``kernel`` is not a Triton kernel.
@@ -119,7 +119,6 @@ def check_slot_mapping_kernel(kernel, seed: int = 0) -> int:
         if msg:
             raise ExerciseFailed(msg)
     print(f"check_slot_mapping_kernel: all {len(cases)} cases pass")
-    return len(cases)
 
 
 # --- chapter 04: prepare_inputs in numpy --------------------------------------------------
@@ -158,7 +157,7 @@ def _prep_cases(rng: np.random.Generator) -> list[tuple[str, dict]]:
     return cases
 
 
-def check_prepare_inputs(fn: Callable, seed: int = 0) -> int:
+def check_prepare_inputs(fn: Callable, seed: int = 0) -> None:
     """Check a numpy ``prepare_inputs`` against ``mrv2.kernels.input_prep.prepare_inputs_ref``.
 
     Args:
@@ -169,8 +168,8 @@ def check_prepare_inputs(fn: Callable, seed: int = 0) -> int:
             [B_pad])``. Padding slots and tokens are 0 (``query_start_loc`` stays flat).
         seed: the random cases' seed.
 
-    Returns:
-        The number of cases that passed (all of them).
+    Prints how many cases passed (all of them) and returns None, so that a notebook cell
+    ending in the check shows only that line.
 
     Raises:
         TypeError: ``fn`` is not callable.
@@ -198,7 +197,6 @@ def check_prepare_inputs(fn: Callable, seed: int = 0) -> int:
             if msg:
                 raise ExerciseFailed(msg)
     print(f"check_prepare_inputs: all {len(cases)} cases pass")
-    return len(cases)
 
 
 # --- chapter 05: the Gumbel-max kernel ------------------------------------------------------
@@ -223,7 +221,7 @@ def _gumbel_cases(rng: torch.Generator) -> list[tuple[str, torch.Tensor, torch.T
     ]
 
 
-def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> int:
+def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> None:
     """Check a Triton Gumbel-max kernel against ``mrv2.kernels.gumbel.gumbel_sample_ref``.
 
     The kernel is launched as ``kernel[(B,)](logits, noise, temperature, out, V,
@@ -236,8 +234,8 @@ def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> int:
         kernel: a ``@triton.jit`` function with that signature.
         seed: the random cases' seed.
 
-    Returns:
-        The number of cases that passed (all of them).
+    Prints how many cases passed (all of them) and returns None, so that a notebook cell
+    ending in the check shows only that line.
 
     Raises:
         TypeError: ``kernel`` is not a Triton kernel (not subscriptable with a grid).
@@ -268,4 +266,3 @@ def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> int:
         if msg:
             raise ExerciseFailed(msg)
     print(f"check_gumbel_argmax_kernel: all {len(cases)} cases pass")
-    return len(cases)
