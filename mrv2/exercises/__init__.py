@@ -1,0 +1,19 @@
+"""Checkers for the book's "build it yourself" exercises (Triton-Puzzles style).
+
+Each ``check_*`` runs the learner's function (or Triton kernel, under the interpreter on a
+CPU) against the package's own reference on random and edge-case inputs, and either prints
+how many cases passed or raises :class:`ExerciseFailed` saying which case, which output and
+where it differs. The exercises sit in the chapters' "Exercises" sections; the solutions in
+``notebooks/solutions/``; the learner copies (skeletons, no outputs) in ``notebooks/clean/``
+(``scripts/make_clean_notebooks.py``).
+"""
+
+from mrv2.exercises.checks import (
+    ExerciseFailed,
+    check_gumbel_argmax_kernel,
+    check_prepare_inputs,
+    check_slot_mapping_kernel,
+)
+
+__all__ = ["ExerciseFailed", "check_gumbel_argmax_kernel", "check_prepare_inputs",
+           "check_slot_mapping_kernel"]
