@@ -4,14 +4,10 @@ import os
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pathlib
 
 import pytest
 import torch
-
-# ../shared/data beside the checkout, or MRV2_SHARED_DATA (e.g. a copy carried to the GPU machine).
-SHARED_DATA = pathlib.Path(os.environ.get(
-    "MRV2_SHARED_DATA", pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+from shared_paths import SHARED_DATA
 
 # NOTE: tiny ops on 2 busy cores run several times faster on one thread.
 torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SHARED_DATA
+from shared_paths import SHARED_DATA
 
 STORIES = SHARED_DATA / "stories260K" / "hf-llama"
 PROMPT = {"prompt_token_ids": [1, 403, 407]}

@@ -29,7 +29,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def _qwen3(request):
-    from conftest import SHARED_DATA
+    from shared_paths import SHARED_DATA
     from transformers import AutoTokenizer
 
     path = SHARED_DATA / "qwen3-tokenizer"

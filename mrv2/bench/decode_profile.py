@@ -24,8 +24,9 @@ import torch
 
 from mrv2 import LLM, SamplingParams, platform
 from mrv2.bench.roofline import copy_bandwidth, decode_roofline, model_info
-from mrv2.bench.steps import _prompts, _timed_generate
 from mrv2.bench.timing import free_device_memory
+from mrv2.bench.timing import random_token_prompts as _prompts
+from mrv2.bench.timing import timed_generate as _timed_generate
 
 
 def _kernel_totals(llm: LLM, prompts, sp) -> dict[str, list[float]]:

@@ -20,17 +20,9 @@ import numpy as np
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.bench.timing import free_device_memory, timed
-
-
-def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
-    rng = np.random.RandomState(seed)
-    return [{"prompt_token_ids": rng.randint(0, vocab, size=length).tolist()} for _ in range(num)]
-
-
-def _timed_generate(llm: LLM, prompts, sp) -> float:
-    """Seconds of one ``llm.generate`` between two device syncs."""
-    return timed(lambda: llm.generate(prompts, sp, use_tqdm=False))[1]
+from mrv2.bench.timing import free_device_memory
+from mrv2.bench.timing import random_token_prompts as _prompts
+from mrv2.bench.timing import timed_generate as _timed_generate
 
 
 def decode_step_times(llm_kwargs: dict, batch_sizes=(1, 64, 256), context: int = 128,

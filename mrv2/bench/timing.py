@@ -177,3 +177,16 @@ def sweep_rows(generate: GenerateFn, batches: list[Workload],
         rows.append({"batch_size": wl.num_requests, "input_len": wl.input_lens[0],
                      "output_len": wl.output_lens[0], **r})
     return rows
+
+
+def random_token_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[dict]:
+    """``num`` token-id prompts of ``length`` random ids below ``vocab`` (seeded)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    return [{"prompt_token_ids": rng.randint(0, vocab, size=length).tolist()} for _ in range(num)]
+
+
+def timed_generate(llm, prompts, sp) -> float:
+    """Seconds of one ``llm.generate`` between two device syncs."""
+    return timed(lambda: llm.generate(prompts, sp, use_tqdm=False))[1]
