@@ -173,6 +173,11 @@ def run_engine_core(conn, factory, kwargs: dict) -> None:
     ``("abort", cid, request_id)``, ``("stop",)``. A closed ``conn`` (the API process is
     gone) ends the loop too.
     """
+    import signal
+
+    # NOTE: Ctrl-C in a terminal reaches the whole process group: the API process shuts
+    # down and stops this one ("stop", or EOF); a KeyboardInterrupt mid-step would not.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = factory(**kwargs)
         core = EngineCore(llm)
