@@ -249,7 +249,8 @@ class AsyncLLM:
                         raise item
                     h, deltas, finished = item
                     head = h if h is not None else head
-                    for d in deltas:
+                    for t in deltas:
+                        d = _Delta(*t)
                         merged[d.index] = merged[d.index].then(d) if d.index in merged else d
                 outs = []
                 for d in merged.values():  # NOTE: one incremental decode per completion
