@@ -440,6 +440,8 @@ def test_engine_process_serves_the_same_text_and_a_dead_process_fails_fast(serve
     from mrv2.serve.async_engine import EngineDeadError
 
     ref = served["refs"]
+    with pytest.raises(ValueError, match="max_num_seqs"):  # the process's LLM error, here
+        AsyncLLM(engine_process=True, llm_kwargs={"max_num_seqs": 0})
     engine = AsyncLLM(engine_process=True, llm_kwargs={"max_model_len": 256, "max_num_seqs": 8})
     try:
         client = TestClient(create_app(engine, MODEL))
