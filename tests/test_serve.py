@@ -412,3 +412,64 @@ def test_bench_serve_streams_a_rate_against_the_server(served):
                                max_concurrency=2))
     assert (row["completed"], row["failed"], row["output_tokens"]) == (3, 0, 9)
     assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["p50"] > 0
+
+
+# -- the engine in its own process (engine_core.py) ----------------------------------------
+
+
+def _sse_text(lines) -> tuple[str, list[str]]:
+    """The text of SSE completion chunks and the error messages among them."""
+    import json
+
+    text, errors = "", []
+    for line in lines:
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk["error"]["message"])
+            text += "".join(c["text"] for c in chunk.get("choices", []))
+    return text, errors
+
+
+def test_engine_process_serves_the_same_text_and_a_dead_process_fails_fast(served):
+    import os
+    import signal
+
+    from starlette.testclient import TestClient
+
+    from mrv2.serve.async_engine import EngineDeadError
+
+    ref = served["refs"]
+    with pytest.raises(ValueError, match="max_num_seqs"):  # the process's LLM error, here
+        AsyncLLM(engine_process=True, llm_kwargs={"max_num_seqs": 0})
+    engine = AsyncLLM(engine_process=True, llm_kwargs={"max_model_len": 256, "max_num_seqs": 8})
+    try:
+        client = TestClient(create_app(engine, MODEL))
+        body = {"model": MODEL, "prompt": PROMPT, **GREEDY}
+        full = client.post("/v1/completions", json=body).json()
+        assert full["choices"][0]["text"] == ref["greedy"].outputs[0].text
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert _sse_text(r.iter_lines()) == (ref["greedy"].outputs[0].text, [])
+        chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT,
+                                                         **GREEDY}).json()
+        assert chat["choices"][0]["message"]["content"] == ref["chat"].outputs[0].text
+        bad = client.post("/v1/completions", json={**body, "temperature": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+        assert "mrv2:generation_tokens_total{" in client.get("/metrics").text
+        assert engine.stats()["generation_tokens_total"] == 3 * GREEDY["max_tokens"]
+        # the process dies mid-stream: the stream ends with an error at once, then 503s
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/completions",
+                           json={**body, **LONG, "max_tokens": 200, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            os.kill(engine._proc.pid, signal.SIGKILL)
+            _, errors = _sse_text([first, *lines])
+        assert errors and "engine process died" in errors[0] and time.monotonic() - t0 < 20
+        assert client.get("/health").status_code == 503
+        dead = client.post("/v1/completions", json=body)
+        assert dead.status_code == 503 and "engine process died" in dead.json()["error"]["message"]
+        with pytest.raises(EngineDeadError):
+            asyncio.run(_collect(engine, PROMPT, SamplingParams(), "p0"))
+    finally:
+        engine.shutdown()

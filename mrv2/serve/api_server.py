@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from mrv2.serve.async_engine import AsyncLLM
+from mrv2.serve.async_engine import AsyncLLM, EngineDeadError
 from mrv2.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
@@ -180,9 +180,13 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
                                        where(errs[0]).split(".")[0] if errs else None),
                             status_code=400)
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_, exc: EngineDeadError):
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.dead is None else 503)
 
     @app.get("/v1/models", dependencies=v1)
     async def models():

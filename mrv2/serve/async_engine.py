@@ -16,6 +16,11 @@ The design, and why it is the simplest correct one:
   only the *new* tokens (and logprobs, and the finish reason) and hands them to that
   request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Text is detokenized
   incrementally on the consumer's side (``IncrementalText``), off the engine thread.
+* **Or a process** (``engine_process=True``, what ``python -m mrv2 serve`` uses on CUDA):
+  the same stepping (``engine_core.EngineCore``) runs in a spawned process, commands go
+  down a pipe and each step comes back as one message, read by a reader thread here. The
+  HTTP layer's per-chunk Python then no longer takes the GIL from the engine loop. A
+  dead process fails every request with ``EngineDeadError`` (the server: 503) at once.
 
 ``generate`` yields **delta** ``RequestOutput``s (vLLM's ``RequestOutputKind.DELTA``):
 each ``CompletionOutput`` holds only what is new since the previous output (``text``,
@@ -35,31 +40,10 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from mrv2.outputs import CompletionOutput, RequestOutput
 from mrv2.sampling_params import SamplingParams
-
-
-@dataclass
-class _Delta:
-    """What one completion got in one step (built on the engine thread)."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    final_text: str | None          # the engine's text once finished (stop strings cut)
-    cumulative_logprob: float | None
-
-    def then(self, later: _Delta) -> _Delta:
-        """This delta followed by ``later`` (of the same completion), as one."""
-        return _Delta(self.index, self.token_ids + later.token_ids,
-                      None if self.logprobs is None else self.logprobs + later.logprobs,
-                      later.finish_reason, later.stop_reason, later.final_text,
-                      later.cumulative_logprob)
-
+from mrv2.serve.engine_core import EngineCore, _Delta
 
 #: Tokens an incomplete UTF-8 character may hold back before its text is sent as it is.
 _MAX_PENDING = 8
@@ -115,54 +99,97 @@ class IncrementalText:
         return new
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop (thread or process) is gone: requests fail with this (HTTP 503)."""
+
+
 class AsyncLLM:
     """Streams ``RequestOutput`` deltas of an ``LLM`` to asyncio code.
 
     Args:
-        llm: an ``mrv2.LLM``; its ``llm_engine`` is owned by this object's thread from now
-            on (do not call ``llm.generate`` while it runs).
+        llm: an ``mrv2.LLM`` stepped by a thread of this process; its ``llm_engine`` is owned
+            by that thread from now on (do not call ``llm.generate`` while it runs).
+            ``None`` with ``engine_process=True``.
         trace: if set, called on the engine thread after every step with
-            ``(step_index, running_request_ids, waiting_request_ids)`` (notebook 12).
+            ``(step_index, running_request_ids, waiting_request_ids)`` (notebook 12; thread
+            mode only).
+        engine_process: build the ``LLM`` in a spawned process (``engine_core.py``) from
+            ``llm_kwargs``, so the engine loop does not share this process's GIL with the
+            HTTP layer; ``self.llm`` is then a light description of the model (path,
+            tokenizer, sizes).
+        llm_kwargs: ``LLM`` arguments (process mode).
+        factory: what the process calls with ``llm_kwargs`` (default ``mrv2.LLM``; a
+            module-level callable: it is pickled by reference).
+        startup_timeout: seconds the process may take to load the model.
+
+    Raises:
+        ValueError, TypeError: from ``LLM(**llm_kwargs)`` in the process (process mode).
+        EngineDeadError: the process died or timed out while starting.
     """
 
-    def __init__(self, llm, trace: Callable[[int, list[str], list[str]], None] | None = None):
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.tokenizer = llm.tokenizer
+    def __init__(self, llm=None, trace: Callable[[int, list[str], list[str]], None] | None = None,
+                 *, engine_process: bool = False, llm_kwargs: dict | None = None,
+                 factory: Callable | None = None, startup_timeout: float = 900.0):
         self.trace = trace
-        self._cmds: collections.deque = collections.deque()
-        self._cv = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._sent: dict[str, int] = {}  # child request id -> tokens handed out
-        self._stopped = False
-        self.num_steps = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.requests_total = 0
+        self._dead: str | None = None   # why the engine is gone (None: it runs)
+        self._lock = threading.Lock()
+        self.engine_process = engine_process
+        if engine_process:
+            if llm is not None or trace is not None:
+                raise ValueError("engine_process=True builds its own LLM from llm_kwargs: pass "
+                                 "neither llm nor trace")
+            self._start_process(factory, dict(llm_kwargs or {}), startup_timeout)
+            return
+        if llm is None:
+            raise ValueError("llm: an mrv2.LLM is needed (or engine_process=True)")
+        self.llm, self.engine, self.tokenizer = llm, llm.llm_engine, llm.tokenizer
+        self.core = EngineCore(llm)
+        self._cmds: collections.deque = collections.deque()
+        self._cv = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="mrv2-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def num_steps(self) -> int:
+        return self.stats()["steps_total"]
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is gone (``None`` while it runs)."""
+        return self._dead
 
     # -- the asyncio side ----------------------------------------------------------
 
     def _post(self, *cmd) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("the engine loop is stopped")
-            self._cmds.append((fut, *cmd))
-            self._cv.notify()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            if self.engine_process:
+                cid = next(self._cids)
+                self._futs[cid] = fut
+                self._conn.send((cmd[0], cid, *cmd[1:]))
+            else:
+                self._cmds.append((fut, *cmd))
+                self._cv.notify()
         return fut
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine thread between two steps; its result (or error).
 
         Everything that touches the engine or encodes with its tokenizer goes through here
-        (e.g. rendering a chat template), so one thread does it all.
+        (e.g. rendering a chat template), so one thread does it all. NOTE: with
+        ``engine_process`` it runs here, at once (``self.llm.tokenizer`` is this process's).
         """
+        if self.engine_process:
+            return fn(*args)
         return await asyncio.wrap_future(self._post("call", fn, args))
 
     def call_sync(self, fn: Callable, *args, timeout: float | None = None):
         """``call`` from a plain thread (tests, notebooks): blocks until ``fn`` ran."""
+        if self.engine_process:
+            return fn(*args)
         return self._post("call", fn, args).result(timeout)
 
     async def add_request(self, request_id: str, prompt,
@@ -173,11 +200,19 @@ class AsyncLLM:
 
         Raises:
             ValueError, TypeError: a bad prompt or bad params (nothing was queued).
+            EngineDeadError: the engine is gone.
         """
         params = SamplingParams() if params is None else params
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
-        await asyncio.wrap_future(self._post("add", request_id, prompt, params,
-                                             asyncio.get_running_loop(), queue))
+        # NOTE: registered before the add: its first tokens may come with the add's reply.
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            await asyncio.wrap_future(self._post("add", request_id, prompt, params))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         return self._stream(request_id, params, queue)
 
     async def generate(self, prompt, params: SamplingParams | None,
@@ -201,7 +236,7 @@ class AsyncLLM:
     async def _stream(self, request_id: str, params: SamplingParams,
                       queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         texts: dict[int, IncrementalText] = {}
-        first, finished = True, False
+        head, first, finished = None, True, False
         try:
             while not finished:
                 items = [await queue.get()]
@@ -212,8 +247,10 @@ class AsyncLLM:
                     if isinstance(item, BaseException):
                         finished = True  # the engine already dropped it
                         raise item
-                    req, deltas, finished = item
-                    for d in deltas:
+                    h, deltas, finished = item
+                    head = h if h is not None else head
+                    for t in deltas:
+                        d = _Delta(*t)
                         merged[d.index] = merged[d.index].then(d) if d.index in merged else d
                 outs = []
                 for d in merged.values():  # NOTE: one incremental decode per completion
@@ -222,11 +259,11 @@ class AsyncLLM:
                         index=d.index, text=text.add(d), token_ids=d.token_ids,
                         cumulative_logprob=d.cumulative_logprob, logprobs=d.logprobs,
                         finish_reason=d.finish_reason, stop_reason=d.stop_reason))
-                yield RequestOutput(request_id=request_id, prompt=req.prompt,
-                                    prompt_token_ids=req.prompt_token_ids,
-                                    prompt_logprobs=req.prompt_logprobs if first else None,
+                yield RequestOutput(request_id=request_id, prompt=head.prompt,
+                                    prompt_token_ids=head.prompt_token_ids,
+                                    prompt_logprobs=head.prompt_logprobs if first else None,
                                     outputs=outs, finished=finished,
-                                    num_cached_tokens=max(req.num_cached_tokens, 0))
+                                    num_cached_tokens=head.num_cached_tokens)
                 first = False
         finally:
             if not finished:  # closed or cancelled early (client gone): free it now
@@ -234,66 +271,85 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
+        self._streams.pop(request_id, None)
         await asyncio.wrap_future(self._post("abort", request_id))
 
     def abort_nowait(self, request_id: str) -> None:
         """Queue an abort (it runs before the next step); unknown ids are ignored."""
-        with contextlib.suppress(RuntimeError):  # the loop is stopped: nothing to free
+        self._streams.pop(request_id, None)
+        with contextlib.suppress(RuntimeError):  # the engine is gone: nothing to free
             self._post("abort", request_id)
 
     def stats(self) -> dict:
-        """Counters for ``/metrics`` (read without a lock: each value is one atomic read)."""
-        sch, kv = self.llm.scheduler, self.llm.kv_manager
-        return {"num_requests_running": len(sch.running), "num_requests_waiting": len(sch.waiting),
-                "kv_cache_usage": 1.0 - kv.num_free_blocks / kv.num_blocks,
-                "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total,
-                "requests_total": self.requests_total, "steps_total": self.num_steps}
+        """Counters for ``/metrics`` (process mode: as of the engine's last message)."""
+        return dict(self._stats) if self.engine_process else self.core.stats()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop (requests in flight get an error) and join the thread."""
+        """Stop the loop (requests in flight get an error) and join the thread / process."""
+        if self.engine_process:
+            with self._lock, contextlib.suppress(OSError, ValueError):
+                if self._dead is None:
+                    self._conn.send(("stop",))
+                self._dead = self._dead or "the engine loop was shut down"
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout)
+            self._reader.join(timeout)
+            return
         with self._cv:
-            self._stopped = True
+            self._dead = self._dead or "the engine loop was shut down"
             self._cv.notify()
         self._thread.join(timeout)
+
+    def _dispatch(self, items: list) -> None:
+        """Hand a step's items to their streams: one wake-up of each event loop per step."""
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, head, deltas, done in items:
+            stream = self._streams.pop(rid, None) if done else self._streams.get(rid)
+            if stream is not None:
+                loop, queue = stream
+                item = deltas if isinstance(deltas, BaseException) else (head, deltas, done)
+                deliveries.setdefault(loop, []).append((queue, item))
+        for loop, its in deliveries.items():
+            with contextlib.suppress(RuntimeError):  # that event loop is closed
+                loop.call_soon_threadsafe(_deliver, its)
+
+    def _fail_streams(self, message: str) -> None:
+        self._dispatch([(rid, None, EngineDeadError(message), True) for rid in list(self._streams)])
 
     # -- the engine thread ---------------------------------------------------------
 
     def _loop(self) -> None:
+        core = self.core
         while True:
             with self._cv:
-                while not (self._cmds or self._stopped or self.engine.has_unfinished_requests()):
+                while not (self._cmds or self._dead or core.has_work()):
                     self._cv.wait()
                 cmds, self._cmds = list(self._cmds), collections.deque()
-                stopped = self._stopped
+                dead = self._dead
             for cmd in cmds:
                 self._run(*cmd)
-            if stopped:
-                self._fail_all(RuntimeError("the engine loop was shut down"))
+            if dead:
+                self._fail_streams(dead)
+                core.fail_all(dead)
                 return
-            if self.engine.has_unfinished_requests():
+            if core.has_work():
                 try:
-                    self._step()
+                    self._dispatch(core.step())
                 except Exception as exc:  # noqa: BLE001 (the whole step failed: tell everyone)
-                    self._fail_all(RuntimeError(f"engine step failed: {exc!r}"))
+                    self._dispatch(core.fail_all(f"engine step failed: {exc!r}"))
+                if self.trace is not None:
+                    sch = self.llm.scheduler
+                    self.trace(core.num_steps - 1, [r.request_id for r in sch.running],
+                               [r.request_id for r in sch.waiting])
 
     def _run(self, fut, kind, *args) -> None:
         try:
             if kind == "add":
-                request_id, prompt, params, loop, queue = args
-                self.engine.add_request(request_id, prompt, params)
-                self._streams[request_id] = (loop, queue)
-                group = self.engine._groups[request_id]
-                self.prompt_tokens_total += len(group[0].prompt_token_ids)
-                self.requests_total += 1
-                result = None
+                result = self.core.add(*args)
             elif kind == "abort":
-                request_id, = args
-                self._streams.pop(request_id, None)
-                for req in self.engine._groups.get(request_id, ()):
-                    self._sent.pop(req.request_id, None)
-                self.engine.abort_request(request_id)
-                result = None
+                result = self.core.abort(*args)
             else:
                 fn, fn_args = args
                 result = fn(*fn_args)
@@ -302,55 +358,82 @@ class AsyncLLM:
         else:
             fut.set_result(result)
 
-    def _step(self) -> None:
-        eng = self.engine
-        finished = eng.engine.step()
-        self.num_steps += 1
-        touched: dict[str, dict] = {}   # request id -> {child id: child}, in step order
-        for req in list(eng.engine.updated) + finished:
-            rid = eng._owner.get(req.request_id)
-            if rid is not None:
-                touched.setdefault(rid, {})[req.request_id] = req
-        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, children in touched.items():
-            group = eng._groups[rid]
-            deltas = [self._delta(r) for r in children.values()]
-            done = all(r.is_finished for r in group)
-            stream = self._streams.get(rid)
-            if stream is not None:
-                loop, queue = stream
-                deliveries.setdefault(loop, []).append((queue, (group[0], deltas, done)))
-            if done:
-                self._streams.pop(rid, None)
-                eng.pop(rid)
-        for loop, items in deliveries.items():
-            # NOTE: one wake-up of each event loop per step, not one per request.
-            with contextlib.suppress(RuntimeError):  # that event loop is closed
-                loop.call_soon_threadsafe(_deliver, items)
-        if self.trace is not None:
-            sch = self.llm.scheduler
-            self.trace(self.num_steps - 1, [r.request_id for r in sch.running],
-                       [r.request_id for r in sch.waiting])
+    # -- the engine process (engine_core.py) ----------------------------------------
 
-    def _delta(self, r) -> _Delta:
-        start = self._sent.get(r.request_id, 0)
-        ids = r.output_token_ids[start:]
-        self.generation_tokens_total += len(ids)
-        if r.is_finished:
-            self._sent.pop(r.request_id, None)
-        else:
-            self._sent[r.request_id] = len(r.output_token_ids)
-        return _Delta(index=r.index, token_ids=ids,
-                      logprobs=None if r.logprobs is None else r.logprobs[start:],
-                      finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-                      final_text=r.output_text if r.is_finished else None,
-                      cumulative_logprob=r.cumulative_logprob)
+    def _start_process(self, factory, kwargs: dict, timeout: float) -> None:
+        import itertools
+        import multiprocessing
+        import time
+        from pathlib import Path
+        from types import SimpleNamespace
 
-    def _fail_all(self, exc: BaseException) -> None:
-        ids = list(self._streams)
-        for rid in ids:
-            loop, queue = self._streams.pop(rid)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-        self._sent.clear()
-        self.engine.abort_request(list(self.engine._groups))
+        from mrv2.serve.engine_core import run_engine_core
+
+        if factory is None:
+            from mrv2 import LLM as factory
+        ctx = multiprocessing.get_context("spawn")  # NOTE: fork would copy CUDA / threads
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=run_engine_core, args=(child, factory, kwargs),
+                                 name="mrv2-engine-core", daemon=True)
+        self._proc.start()
+        child.close()  # NOTE: else a dead process's pipe never reads EOF here
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                self._proc.terminate()
+                raise EngineDeadError(f"the engine process exited (code {self._proc.exitcode}) "
+                                      "before it was ready" if self._proc.exitcode is not None
+                                      else f"the engine process was not ready in {timeout} s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineDeadError(f"the engine process exited (code {self._proc.exitcode}) "
+                                  "before it was ready") from None
+        if kind == "error":
+            self._proc.join(5)
+            raise value
+        tok = None
+        if value["tokenizer"] is not None:
+            from mrv2.llm import _load_tokenizer
+            tok = _load_tokenizer(value["tokenizer"])
+        self.tokenizer = tok
+        self.llm = SimpleNamespace(
+            model_path=Path(value["model_path"]), tokenizer=tok, device=value["device"],
+            dtype=value["dtype"], hf_config=SimpleNamespace(vocab_size=value["vocab_size"]),
+            scheduler_config=SimpleNamespace(max_model_len=value["max_model_len"]))
+        self._stats = {k: 0 for k in ("num_requests_running", "num_requests_waiting",
+                                      "kv_cache_usage", "prompt_tokens_total",
+                                      "generation_tokens_total", "requests_total",
+                                      "steps_total")}
+        self._cids = itertools.count()
+        self._futs: dict[int, concurrent.futures.Future] = {}
+        self._reader = threading.Thread(target=self._read, name="mrv2-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        """The reader thread: the engine's messages to futures and streams, until EOF."""
+        while True:
+            try:
+                replies, items, stats = self._conn.recv()  # NOTE: blocks without the GIL
+            except (EOFError, OSError):
+                break
+            self._stats = stats
+            for cid, exc in replies:
+                fut = self._futs.pop(cid, None)
+                if fut is None:
+                    continue
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+            self._dispatch(items)
+        self._proc.join(5)
+        with self._lock:
+            self._dead = self._dead or (f"the engine process died (exit code "
+                                        f"{self._proc.exitcode})")
+            futs, self._futs = self._futs, {}
+        for fut in futs.values():
+            fut.set_exception(EngineDeadError(self._dead))
+        self._fail_streams(self._dead)

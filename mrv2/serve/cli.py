@@ -44,6 +44,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-enable-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                   help="step the engine in its own process, off the HTTP layer's GIL "
+                        "(auto: on with CUDA)")
 
 
 def build_llm(args):
@@ -51,15 +54,21 @@ def build_llm(args):
     from mrv2 import LLM
 
     # NOTE: LLM checks every size before it loads anything (a ValueError naming the field).
-    return LLM(model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-               seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-               num_gpu_blocks_override=args.num_gpu_blocks_override,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes, load_format=args.load_format,
-               enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
-               enable_prefix_caching=not args.no_enable_prefix_caching,
-               async_scheduling=False if args.no_async_scheduling else None)
+    return LLM(**llm_kwargs(args))
+
+
+def llm_kwargs(args) -> dict:
+    """The ``LLM`` arguments of parsed ``serve`` arguments."""
+    return dict(  # noqa: C408 (the LLM keywords, as they read)
+                model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                num_gpu_blocks_override=args.num_gpu_blocks_override,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes, load_format=args.load_format,
+                enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
+                enable_prefix_caching=not args.no_enable_prefix_caching,
+                async_scheduling=False if args.no_async_scheduling else None)
 
 
 def served_name(args, llm) -> str:
@@ -78,11 +87,16 @@ def run_serve(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        llm = build_llm(args)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+        if args.engine_process == "auto":
+            from mrv2.platform import HAS_CUDA
+        if args.engine_process == "on" or (args.engine_process == "auto" and HAS_CUDA):
+            engine = AsyncLLM(engine_process=True, llm_kwargs=llm_kwargs(args))
+        else:
+            engine = AsyncLLM(build_llm(args))
+    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as exc:
         print(f"python -m mrv2 serve: error: {exc}", file=sys.stderr)
         return 2
-    engine = AsyncLLM(llm)
+    llm = engine.llm
     name = served_name(args, llm)
     app = create_app(engine, name, api_key=args.api_key)
     print(f"[serve] {name} on http://{args.host}:{args.port}/v1 ({llm.device}, {llm.dtype})",

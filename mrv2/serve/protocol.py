@@ -151,9 +151,9 @@ class ChatCompletionRequest(_Sampling):
 
 #: The ``type`` of an OpenAI error object, by HTTP status.
 ERROR_TYPES: dict[int, Literal["BadRequestError", "AuthenticationError", "NotFoundError",
-                               "InternalServerError"]] = {
+                               "InternalServerError", "ServiceUnavailableError"]] = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-    500: "InternalServerError"}
+    500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
