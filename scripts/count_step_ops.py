@@ -7,7 +7,9 @@ graph managers in ``emulate`` mode: the eager body runs where a graph would repl
 
 * aten ops (a ``TorchDispatchMode`` that counts every op dispatched),
 * Triton launches (``JITFunction.run`` / the interpreter's ``InterpretedFunction.run``),
-* wall time per step on this CPU (interpreter kernels included: only a rough proxy).
+* wall time per step on this CPU (interpreter kernels included: only a rough proxy), and
+  ``py ms``: that time minus the time inside aten ops and Triton launches, i.e. the Python
+  of the step (scheduler excluded; the dispatch mode's own overhead included).
 
 The ops *outside* graphs are the ones that cost host time on the GPU every step.
 
@@ -48,6 +50,7 @@ class _Counts:
         self.ops = Counter()   # ("out" | "in") -> aten ops
         self.launches = Counter()
         self.names = Counter()  # aten op names outside graphs
+        self.busy = 0.0         # seconds inside aten ops and Triton launches (outermost)
 
     def where(self) -> str:
         return "in" if self.in_graph else "out"
@@ -58,11 +61,16 @@ COUNTS = _Counts()
 
 class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not COUNTS.in_triton:
-            COUNTS.ops[COUNTS.where()] += 1
-            if not COUNTS.in_graph:
-                COUNTS.names[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
+        if COUNTS.in_triton:
+            return func(*args, **(kwargs or {}))
+        COUNTS.ops[COUNTS.where()] += 1
+        if not COUNTS.in_graph:
+            COUNTS.names[str(func.overloadpacket.__name__)] += 1
+        t0 = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            COUNTS.busy += time.perf_counter() - t0
 
 
 def _patch_triton():
@@ -80,10 +88,13 @@ def _patch_triton():
             if COUNTS.in_triton == 0:
                 COUNTS.launches[COUNTS.where()] += 1
             COUNTS.in_triton += 1
+            t0 = time.perf_counter()
             try:
                 return _orig(self, *args, **kwargs)
             finally:
                 COUNTS.in_triton -= 1
+                if COUNTS.in_triton == 0:
+                    COUNTS.busy += time.perf_counter() - t0
         cls.run = run
 
 
@@ -126,7 +137,7 @@ def measure(method: str, k: int, batch: int, steps: int) -> dict:
         decode = (not sched.new_reqs and sched.total_num_scheduled_tokens > 0
                   and max(sched.num_scheduled_tokens.values()) <= 1 + k)
         ops0, l0, names0 = COUNTS.ops.copy(), COUNTS.launches.copy(), COUNTS.names.copy()
-        t0 = time.perf_counter()
+        busy0, t0 = COUNTS.busy, time.perf_counter()
         with _CountOps():
             out = orig(sched)
         dt = time.perf_counter() - t0
@@ -135,7 +146,8 @@ def measure(method: str, k: int, batch: int, steps: int) -> dict:
                              "ops_in": COUNTS.ops["in"] - ops0["in"],
                              "launch_out": COUNTS.launches["out"] - l0["out"],
                              "launch_in": COUNTS.launches["in"] - l0["in"],
-                             "ms": dt * 1e3, "names": COUNTS.names - names0})
+                             "ms": dt * 1e3, "py_ms": (dt - COUNTS.busy + busy0) * 1e3,
+                             "names": COUNTS.names - names0})
         return out
     runner.execute_model = execute_model
     prompts = [{"prompt_token_ids": (EMBEDDED_LOOP[i % len(EMBEDDED_LOOP):]
@@ -145,7 +157,8 @@ def measure(method: str, k: int, batch: int, steps: int) -> dict:
     llm.generate(prompts, params, use_tqdm=False)
     per_step = per_step[2:2 + steps] or per_step
     row = {key: statistics.median(s[key] for s in per_step)
-           for key in ("ops_out", "ops_in", "launch_out", "launch_in", "ms")}
+           for key in ("ops_out", "ops_in", "launch_out", "launch_in", "ms",
+                                      "py_ms")}
     row["names"] = per_step[len(per_step) // 2]["names"]
     return row
 
@@ -163,12 +176,12 @@ def main(argv=None) -> None:
     _patch_graphs()
     torch.set_num_threads(1)
     print(f"{'method':12s} {'B':>3s} {'aten out':>9s} {'aten in':>8s} {'triton out':>10s} "
-          f"{'triton in':>9s} {'ms/step(CPU)':>12s}")
+          f"{'triton in':>9s} {'ms/step(CPU)':>12s} {'py ms':>6s}")
     for method in args.methods.split(","):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             r = measure(method, args.k, b, args.steps)
             print(f"{method:12s} {b:3d} {r['ops_out']:9.0f} {r['ops_in']:8.0f} "
-                  f"{r['launch_out']:10.0f} {r['launch_in']:9.0f} {r['ms']:12.1f}")
+                  f"{r['launch_out']:10.0f} {r['launch_in']:9.0f} {r['ms']:12.1f} {r['py_ms']:6.2f}")
             if args.top:
                 print("   ", ", ".join(f"{n}:{c}" for n, c in r["names"].most_common(args.top)))
 
