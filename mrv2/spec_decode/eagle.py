@@ -4,7 +4,8 @@ A draft model guesses the next tokens from the tokens alone; an EAGLE head reads
 target already computed, its last-layer hidden state ``h_p`` (``eagle_head.py``), so one
 small layer suffices. Per target step, on the device and in stream order:
 
-1. **mirror** (one pass over the target step's tokens, variable shape, eager): token ``j``
+1. **mirror** (one pass over the target step's tokens; with graphs, a graph per target
+   key reading the target graph's static hidden-state output): token ``j``
    at position ``p`` of state row ``r`` gives the head the pair ``(token_ids[r, p + 1],
    h_p)``: the *next* token, read from the state table after verification appended the
    accepted run, beside the target's hidden state of ``j``. The pair is valid while
