@@ -17,13 +17,14 @@ from mrv2.models.loader import DEFAULT_MODEL_DIR
 pytestmark = pytest.mark.gpu
 
 DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
+EAGLE = str(DEFAULT_MODEL_DIR) + "-eagle"
 #: The embedded model's own greedy loop: real drafts for both proposers.
 LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199, 952, 26]
 
 
 def _spec(method, k, **extra):
-    if method == "draft_model":
-        extra["model"] = DRAFT
+    if method in ("draft_model", "eagle"):
+        extra["model"] = DRAFT if method == "draft_model" else EAGLE
     return {"method": method, "num_speculative_tokens": k, **extra}
 
 
@@ -86,7 +87,8 @@ def baselines():
 
 @pytest.mark.parametrize("method,k,roomy", [
     ("ngram", 1, False), ("ngram", 3, False), ("draft_model", 1, False),
-    ("draft_model", 3, False), ("draft_model", 3, True)])
+    ("draft_model", 3, False), ("draft_model", 3, True), ("eagle", 3, False),
+    ("eagle", 3, True)])
 def test_fp32_tokens_with_graphs_equal_without(baselines, method, k, roomy):
     """Greedy and seeded (exact verification), async on: graphs == eager == no speculation,
     and the speculating steps replayed their graphs (none ran eagerly)."""

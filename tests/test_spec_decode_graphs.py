@@ -27,6 +27,7 @@ from mrv2.cuda_graphs import (
 from mrv2.models.loader import DEFAULT_MODEL_DIR
 
 DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
+EAGLE = str(DEFAULT_MODEL_DIR) + "-eagle"
 #: The embedded model's own greedy loop (tests/test_spec_decode_e2e.py): real drafts.
 LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199, 952, 26]
 
@@ -110,8 +111,8 @@ def _params():
 
 def _spec(method, k, verification="exact"):
     spec = {"method": method, "num_speculative_tokens": k, "verification": verification}
-    if method == "draft_model":
-        spec["model"] = DRAFT
+    if method in ("draft_model", "eagle"):
+        spec["model"] = DRAFT if method == "draft_model" else EAGLE
     return spec
 
 
@@ -178,3 +179,27 @@ def test_probabilistic_draft_model_padded_graph_shapes(baseline):
     greedy = [p.temperature == 0 for p in _params()]
     assert [g for g, m in zip(got, greedy) if m] == [b for b, m in zip(baseline, greedy) if m]
     _check_replayed(llm)
+
+
+@cpu_only
+@pytest.mark.parametrize("k", [1, 3])
+def test_eagle_mirror_and_chain_on_padded_graph_shapes(baseline, k):
+    """EAGLE, async: the mirror at the target's (padded) key, reading the hidden states
+    of the padded target pass, and the chain at the padded batch size give the tokens
+    without speculation and the very drafts of the eager proposer (same acceptance)."""
+    eager = _tight(_spec("eagle", k))
+    want = _ids(eager.generate(_inputs(), _params(), use_tqdm=False))
+    llm = _tight(_spec("eagle", k), emulate=True)
+    got = _ids(llm.generate(_inputs(), _params(), use_tqdm=False))
+    assert want == baseline and got == baseline
+    assert llm.runner.spec.stats.as_dict() == eager.runner.spec.stats.as_dict()
+    draft = llm.runner.spec.draft
+    assert draft.graphs.num_replays["spec"] > 0 and not draft.graphs.num_eager
+    if k == 1:  # no chain to capture
+        assert draft.chain_graphs is None
+    else:
+        assert draft.chain_graphs.num_replays["decode"] > 0
+        assert not draft.chain_graphs.num_eager
+    graphs = llm.runner.cuda_graphs
+    assert graphs.num_replays["spec"] > 0 and graphs.num_eager["spec"] == 0
+    assert llm.scheduler.num_preemptions > 0

@@ -4,7 +4,8 @@ A draft model guesses the next tokens from the tokens alone; an EAGLE head reads
 target already computed, its last-layer hidden state ``h_p`` (``eagle_head.py``), so one
 small layer suffices. Per target step, on the device and in stream order:
 
-1. **mirror** (one pass over the target step's tokens, variable shape, eager): token ``j``
+1. **mirror** (one pass over the target step's tokens; with graphs, a graph per target
+   key reading the target graph's static hidden-state output): token ``j``
    at position ``p`` of state row ``r`` gives the head the pair ``(token_ids[r, p + 1],
    h_p)``: the *next* token, read from the state table after verification appended the
    accepted run, beside the target's hidden state of ``j``. The pair is valid while
@@ -79,6 +80,7 @@ class EagleProposer:
         self.keep_probs = keep_probs
         self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32, made at first use
         self._feat: torch.Tensor | None = None  # the chain's static inputs (_static_buffers)
+        self.graphs = None        # a CudaGraphManager of the mirror, by the target's key
         self.chain_graphs = None  # a CudaGraphManager of the chain (capture_cuda_graphs)
 
     # -- shared pieces of the target ------------------------------------------------------
@@ -114,27 +116,36 @@ class EagleProposer:
 
     # -- one target step's proposals ------------------------------------------------------
 
-    def mirror(self, batch, state, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mirror(self, batch, state, hidden: torch.Tensor, graph_size=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 1: the head over the target step's tokens (see the module docstring).
 
         Args:
             batch: the target step's ``InputBatch``.
             state: the ``RequestStateTable``, after verification appended the runs.
             hidden: ``[>= T, H]`` the target's hidden states of the step.
+            graph_size: the target step's graph key: run over its padded shapes and bounds
+                (the body of the mirror's graph); ``None``: the real sizes.
 
         Returns:
-            ``(features [B, H], positions [B] int64)`` of each request's last valid pair.
+            ``(features [B, H], positions [B] int64)`` of each request's last valid pair
+            (``B``, ``T``: padded with ``graph_size``; padding slots give garbage).
         """
-        num_reqs, num_tokens = batch.num_reqs, batch.num_tokens
+        if graph_size is None:
+            num_reqs, num_tokens, md = batch.num_reqs, batch.num_tokens, batch.attn_metadata
+        else:
+            num_reqs, num_tokens = batch.num_reqs_padded, batch.num_tokens_padded
+            md = self.target.prepare_attn(batch, graph_size)  # the graph's host bounds
         rows = batch.idx_mapping[:num_reqs].long()                          # [B]
         qsl = batch.query_start_loc[:num_reqs + 1].long()                   # [B + 1]
         pos = batch.positions[:num_tokens].long()                           # [T]
+        # NOTE: padding tokens (t >= qsl[B]) would search past the last slot: clamp (their
+        # KV slot is -1 anyway); real tokens are unchanged.
         req = torch.searchsorted(qsl[1:], torch.arange(num_tokens, device=pos.device),
-                                 right=True)                                # [T] batch slot
+                                 right=True).clamp(max=num_reqs - 1)        # [T] batch slot
         total = state.total_len[rows].long()                                # [B]
         valid = pos + 1 < total[req]                                        # [T]
         nxt = state.token_ids[rows[req], (pos + 1).clamp(max=self.max_model_len - 1)]  # [T]
-        md = batch.attn_metadata
         # NOTE: a prefix-cache hit reuses the head's KV of the cached blocks too; the pair at
         # a block's last position holds the *next* block's first token, so a request that
         # shares the block but not that token gets a slightly worse draft (never a wrong
@@ -150,7 +161,7 @@ class EagleProposer:
                               batch.positions[:num_tokens], mirror_md)      # [T, H]
         # The last valid pair of each request: position total_len - 2 (a partial prefill
         # chunk: its last token).
-        first = pos[qsl[:-1]]                                               # [B]
+        first = pos[qsl[:-1].clamp(max=num_tokens - 1)]                     # [B]
         n = qsl[1:] - qsl[:-1]                                              # [B]
         last = qsl[:-1] + torch.minimum((total - 2 - first).clamp(min=0), n - 1)  # [B]
         return feats[last], pos[last]
@@ -175,8 +186,8 @@ class EagleProposer:
             runner: the ``ModelRunner`` (state table, block tables, sampler).
             k: K.
             meta: the batch's sampling flags (greedy / top-k-top-p).
-            graph_size: the target step's graph key (unused: the mirror runs eagerly; the
-                draft model's signature).
+            graph_size: the target step's graph key (``None``: eager); the mirror replays
+                its graph of that key when the target replayed its own.
             hidden: ``[>= T, H]`` the target's hidden states of this step (on the device).
         """
         if hidden is None:
@@ -188,7 +199,7 @@ class EagleProposer:
         rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
         self._capacity[:num_reqs].copy_(to_device_async(
             runner.block_tables.num_blocks[rows_np] * self.block_size, self.device))
-        feat, pos = self.mirror(batch, state, hidden)                       # [B, H], [B]
+        feat, pos = self._run_mirror(batch, runner, hidden, graph_size)     # [B, H], [B]
         logits = self.compute_logits(feat)                                  # [B, V]
         if meta.needs_top_k_top_p:
             logits = logits.float()
@@ -214,13 +225,33 @@ class EagleProposer:
                 runner, k, key, _GRAPH_META, self.max_model_len))[:num_reqs]  # [B, K - 1]
         return torch.cat([tok.to(torch.int32)[:, None], later], dim=1)      # [B, K]
 
+    def _run_mirror(self, batch, runner, hidden: torch.Tensor, graph_size
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mirror: its graph of the target's key, or eagerly; ``[B, H]``, ``[B]``."""
+        num_reqs = batch.num_reqs
+        if graph_size is None or self.graphs is None:
+            return self.mirror(batch, runner.state, hidden)
+        if not self.graphs.emulate:
+            # NOTE: the graph reads the target graph's static output; a step whose hidden
+            # states live elsewhere (the target ran eagerly) must not replay it.
+            captured = runner.cuda_graphs.graphs.get(graph_size)
+            if captured is None or captured[1].data_ptr() != hidden.data_ptr():
+                self.graphs.num_eager["mismatch"] += 1
+                return self.mirror(batch, runner.state, hidden)
+        feat, pos = self.graphs.run(graph_size, lambda: self.mirror(
+            batch, runner.state, hidden, graph_size))                      # [B_pad, H], [B_pad]
+        return feat[:num_reqs], pos[:num_reqs]
+
     def capture_cuda_graphs(self, runner, make_dummy_batch, k: int,
                             progress: bool = False) -> None:
-        """Capture the K - 1 chained steps per decode graph size of the runner (GPU only).
+        """Capture the mirror at every key of the target, and the K - 1 chained steps per
+        decode graph size of the runner (GPU only; ``emulate``: nothing captured).
 
-        The mirror runs eagerly (a variable number of tokens, as vLLM's EAGLE prefill).
-        Graphs sample with the general path (top-k / top-p / min-p on: correct for every
-        row, greedy ones included). A no-op for K = 1 or without the runner's graphs.
+        The mirror's graph of a key reads the target graph's static hidden-state output of
+        that key (captured first, ``ModelRunner.capture_cuda_graphs``), as the draft model's
+        mirror replays the target's key. Chain graphs sample with the general path (top-k /
+        top-p / min-p on: correct for every row, greedy ones included). The chain's capture
+        is a no-op for K = 1; nothing is captured without the runner's graphs.
 
         Args:
             runner: the ``ModelRunner`` (its ``cuda_graphs`` sizes and static buffers).
@@ -228,14 +259,21 @@ class EagleProposer:
             k: K.
             progress: show a progress bar.
         """
-        if k == 1 or not runner.cuda_graphs.sizes:
+        target = runner.cuda_graphs
+        if not target.sizes:
             return
         from mrv2.cuda_graphs import CudaGraphManager
 
         self._static_buffers(runner)
         if self.keep_probs:
             self._probs_buffer(runner.state)
-        graphs = CudaGraphManager(list(runner.cuda_graphs.sizes), emulate=runner.cuda_graphs.emulate)
+        self.graphs = CudaGraphManager(target.sizes, target.prefill_sizes, target.spec_sizes,
+                                       emulate=target.emulate)
+        self.graphs.capture(make_dummy_batch, lambda batch, key: self.mirror(
+            batch, runner.state, target.graphs[key][1], key), progress=progress)
+        if k == 1:
+            return
+        graphs = CudaGraphManager(list(target.sizes), emulate=target.emulate)
 
         def prepare(size: int) -> int:
             make_dummy_batch(size)   # idx_mapping -> padding rows, zeroed block-table rows

@@ -34,11 +34,12 @@ import torch
 from mrv2.async_output import AsyncOutput
 from mrv2.kernels.logprobs import compute_topk_logprobs
 from mrv2.sample import SamplingMetadata
+from mrv2.spec_decode.accept_rows import exact_accept_rows
 from mrv2.spec_decode.config import SpeculativeConfig
 from mrv2.spec_decode.draft_slots import spec_post_update, write_draft_slots
 from mrv2.spec_decode.metrics import SpecDecodeStats
 from mrv2.spec_decode.ngram import ngram_propose
-from mrv2.spec_decode.verify import VerifyOutput, exact_accept, probabilistic_verify
+from mrv2.spec_decode.verify import VerifyOutput, probabilistic_verify
 from mrv2.state import to_device_async
 
 
@@ -53,6 +54,7 @@ class SpecRows:
         gather: int64 ``[B, K + 1]`` logits row of request b's j-th candidate (clamped to
             its last row past K_b).
         num_spec_tokens: int32 ``[B]`` K_b.
+        num_draft_tokens: ``[B]`` drafts proposed among the first K_b (set by ``verify``).
     """
 
     logits_indices: torch.Tensor
@@ -60,6 +62,7 @@ class SpecRows:
     positions: torch.Tensor
     gather: torch.Tensor
     num_spec_tokens: torch.Tensor
+    num_draft_tokens: torch.Tensor | None = None
 
 
 def expand_rows_np(num_scheduled, num_spec, k: int) -> dict[str, np.ndarray]:
@@ -164,21 +167,27 @@ class SpecDecodeStep:
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping[:num_reqs]                          # [B]
-        drafts = state.draft_token_ids[idx_mapping.long()]                  # [B, K]
         if not self.probabilistic:
             out = runner.sampler(logits, rows.idx_mapping, rows.positions, req_rows, state)
-            verified = exact_accept(drafts, out.sampled[rows.gather], rows.num_spec_tokens)
+            # One launch: drafts through idx_mapping, samples through gather, draft count.
+            acc = exact_accept_rows(state.draft_token_ids, idx_mapping, out.sampled,
+                                    rows.gather, rows.num_spec_tokens)
+            verified = VerifyOutput(acc.output_token_ids, acc.num_output_tokens,
+                                    acc.num_accepted, None)
+            rows.num_draft_tokens = acc.num_draft_tokens
             logprobs = None
             if out.logprobs is not None:
                 ids, lps, ranks = out.logprobs
                 logprobs = (ids[rows.gather], lps[rows.gather], ranks[rows.gather])
             return verified, logprobs
+        drafts = state.draft_token_ids[idx_mapping.long()]                  # [B, K]
         ruled, raw, max_logprobs, meta = runner.sampler.apply_rules(
             logits, rows.idx_mapping, req_rows, state, force_float=True)
         flat = rows.gather.view(-1)                                         # [B * (K + 1)]
         j = torch.arange(self.k, device=drafts.device)
         # Drafts past K_b are not verified: -1, "no draft" (the row samples from p).
         drafts = torch.where(j[None, :] < rows.num_spec_tokens[:, None], drafts, -1)
+        rows.num_draft_tokens = (drafts >= 0).sum(1)                        # [B]
         # Row j of request b samples position seq_len - K_b + j: base = seq_len - K_b - 1.
         base = batch.seq_lens[:num_reqs].to(torch.int64) - rows.num_spec_tokens - 1  # [B]
         q = None if self.draft is None else self.draft.kept_probs(idx_mapping, state)
@@ -227,10 +236,8 @@ class SpecDecodeStep:
         """
         state, num_reqs = runner.state, batch.num_reqs
         idx_mapping = batch.idx_mapping                                     # [B_pad]
-        drafts = state.draft_token_ids[idx_mapping[:num_reqs].long()]       # [B, K]
         output_tokens, num_sampled = verified.output_token_ids, verified.num_output_tokens
-        slots = torch.arange(self.k, device=drafts.device)
-        num_drafts = ((drafts >= 0) & (slots[None, :] < rows.num_spec_tokens[:, None])).sum(1)
+        num_drafts = rows.num_draft_tokens  # [B], counted by verify
         penalties = runner.sampler.states.penalties
         if penalties is not None:
             # NOTE: a penalized request never speculates: its one token is column 0.
