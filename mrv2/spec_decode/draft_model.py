@@ -62,7 +62,75 @@ from mrv2.state import to_device_async
 GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
 
 
-class DraftModelProposer:
+class KeptProbs:
+    """The drafts' filtered distributions q, kept for probabilistic verification.
+
+    A proposer sets ``probs = None``, ``vocab_size`` and ``device``. The buffer holds one
+    ``[K, V]`` q per state row (the rows of ``state.draft_token_ids``) and a scratch row
+    that the padding slots of a graph write instead of a live row.
+    """
+
+    probs: torch.Tensor | None
+    vocab_size: int
+    device: torch.device
+
+    def _probs_buffer(self, state) -> torch.Tensor:
+        if self.probs is None:  # [R + 1, K, V] float32; row R: scratch
+            num_rows, k = state.draft_token_ids.shape
+            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
+                                     dtype=torch.float32, device=self.device)
+        return self.probs
+
+    def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
+        """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``).
+
+        Args:
+            idx_mapping: int32 ``[B]`` the batch's state rows.
+            state: the ``RequestStateTable`` (its ``draft_token_ids`` gives ``[R, K]``).
+        """
+        return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
+
+    def _store_probs(self, state, rows: torch.Tensor, capacity: torch.Tensor,
+                     probs: list[torch.Tensor], first: int = 0) -> None:
+        """Write a chain's q (``K - first`` tensors ``[B, V]``) at draft positions ``first..``.
+
+        NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
+        """
+        buf = self._probs_buffer(state)
+        dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)            # [B]
+        buf[dest, first:] = torch.stack(probs, dim=1)                       # [B, K - first, V]
+
+
+def one_token_step(runner, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_table: torch.Tensor, pos: torch.Tensor, capacity: torch.Tensor,
+                   max_model_len: int, max_seq_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The attention metadata of one chained draft step: one query token per batch slot.
+
+    Args:
+        runner: the ``ModelRunner`` (its block tables give the slot mapping).
+        idx_mapping: ``[B]`` the slots' state rows; ``query_start_loc``: ``[B + 1]`` arange.
+        block_table: ``[B, blocks]`` the gathered block table.
+        pos: ``[B]`` int64 position of each slot's token.
+        capacity: ``[B]`` each slot's KV capacity in tokens (0: padding, nothing live).
+        max_model_len, max_seq_len: the bounds (``max_seq_len`` for the attention launch).
+
+    Returns:
+        ``live`` ``[B]`` bool (the slot has a KV slot: its draft counts), ``pos32`` ``[B]``
+        int32 (clamped), and the step's metadata (slots not live write no KV).
+    """
+    live = (pos < max_model_len) & (pos < capacity)                          # [B]
+    pos32 = pos.clamp(max=max_model_len - 1).to(torch.int32)                 # [B]
+    num_rows = pos.shape[0]
+    slots = runner.block_tables.compute_slot_mappings(
+        idx_mapping, query_start_loc, pos32, num_rows, num_rows)            # [B]
+    md = AttentionMetadata(
+        query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
+        slot_mapping=torch.where(live, slots, -1), max_query_len=1, max_seq_len=max_seq_len)
+    return live, pos32, md
+
+
+class DraftModelProposer(KeptProbs):
     """K drafts per row from a small model (see the module docstring).
 
     Args:
@@ -100,13 +168,6 @@ class DraftModelProposer:
         self._capacity: torch.Tensor | None = None         # [max_num_reqs] int64, static
         self._query_start_loc: torch.Tensor | None = None  # [max_num_reqs + 1] int32 arange
 
-    def _probs_buffer(self, state) -> torch.Tensor:
-        if self.probs is None:  # one q [K, V] per state row (the drafts' rows) + scratch
-            num_rows, k = state.draft_token_ids.shape
-            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
-                                     dtype=torch.float32, device=self.device)
-        return self.probs
-
     def _static_buffers(self, runner) -> None:
         if self._capacity is None:
             n = runner.max_num_reqs
@@ -141,15 +202,6 @@ class DraftModelProposer:
         self.chain_graphs.capture(
             prepare, lambda size, _: self._chain(runner, k, size, GRAPH_META, self.max_model_len),
             progress=progress)
-
-    def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
-        """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``).
-
-        Args:
-            idx_mapping: int32 ``[B]`` the batch's state rows.
-            state: the ``RequestStateTable`` (its ``draft_token_ids`` gives ``[R, K]``).
-        """
-        return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
 
     def propose(self, batch, runner, k: int, meta: SamplingMetadata,
                 graph_size=None) -> torch.Tensor:
@@ -199,14 +251,9 @@ class DraftModelProposer:
         drafts, probs = [], []
         for i in range(k):
             pos = start + i                                                 # [B]
-            live = (pos < self.max_model_len) & (pos < capacity)
-            pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
-            slots = runner.block_tables.compute_slot_mappings(
-                idx_mapping, query_start_loc, pos32, num_rows, num_rows)    # [B]
-            step_md = AttentionMetadata(
-                query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
-                slot_mapping=torch.where(live, slots, -1), max_query_len=1,
-                max_seq_len=max_seq_len)
+            live, pos32, step_md = one_token_step(
+                runner, idx_mapping, query_start_loc, block_table, pos, capacity,
+                self.max_model_len, max_seq_len)
             hidden = self.model_state.forward(tok.to(torch.int32), pos32, step_md)
             logits = self.model_state.compute_logits(hidden)                # [B, V]
             if meta.needs_top_k_top_p:
@@ -217,10 +264,7 @@ class DraftModelProposer:
             if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
                 probs.append(filtered_probs(logits, temp, tok))             # [B, V]
         if self.keep_probs and num_rows:
-            buf = self._probs_buffer(state)
-            # NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
-            dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)        # [B]
-            buf[dest] = torch.stack(probs, dim=1)                           # [B, K, V]
+            self._store_probs(state, rows, capacity, probs)                 # q of drafts 1..K
         return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]
 
 

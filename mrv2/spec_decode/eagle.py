@@ -37,7 +37,7 @@ from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.sample import SamplingMetadata
 from mrv2.spec_decode.config import check_eagle_compatible
-from mrv2.spec_decode.draft_model import batch_rows, filtered_probs
+from mrv2.spec_decode.draft_model import KeptProbs, batch_rows, filtered_probs, one_token_step
 from mrv2.spec_decode.eagle_head import load_eagle_head
 from mrv2.state import to_device_async
 
@@ -45,7 +45,7 @@ from mrv2.state import to_device_async
 _GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
 
 
-class EagleProposer:
+class EagleProposer(KeptProbs):
     """K drafts per row from an EAGLE-1 head over the target's hidden states.
 
     Args:
@@ -102,17 +102,6 @@ class EagleProposer:
             return self.head(self.embed(token_ids), features, positions)   # [N, H]
 
     # -- q for probabilistic verification ---------------------------------------------------
-
-    def _probs_buffer(self, state) -> torch.Tensor:
-        if self.probs is None:  # one q [K, V] per state row, and a scratch row for padding
-            num_rows, k = state.draft_token_ids.shape
-            self.probs = torch.zeros(num_rows + 1, k, self.vocab_size,
-                                     dtype=torch.float32, device=self.device)
-        return self.probs
-
-    def kept_probs(self, idx_mapping: torch.Tensor, state) -> torch.Tensor:
-        """q ``[B * K, V]`` of the drafts now in the rows ``idx_mapping`` (``[B]``)."""
-        return self._probs_buffer(state)[idx_mapping.long()].view(-1, self.vocab_size)
 
     # -- one target step's proposals ------------------------------------------------------
 
@@ -308,14 +297,9 @@ class EagleProposer:
         drafts, probs = [], []
         for _ in range(1, k):
             pos = pos + 1                                                   # [B]
-            live = (pos < self.max_model_len) & (pos < capacity)
-            pos32 = pos.clamp(max=self.max_model_len - 1).to(torch.int32)
-            slots = runner.block_tables.compute_slot_mappings(
-                idx_mapping, query_start_loc, pos32, num_rows, num_rows)    # [B]
-            md = AttentionMetadata(
-                query_start_loc=query_start_loc, seq_lens=pos32 + 1, block_table=block_table,
-                slot_mapping=torch.where(live, slots, -1), max_query_len=1,
-                max_seq_len=max_seq_len)
+            live, pos32, md = one_token_step(
+                runner, idx_mapping, query_start_loc, block_table, pos, capacity,
+                self.max_model_len, max_seq_len)
             # The head's own feature and the last draft, one position on.
             feat = self._forward(tok.to(torch.int32), feat, pos32, md)       # [B, H]
             logits = self.compute_logits(feat)                              # [B, V]
@@ -326,8 +310,5 @@ class EagleProposer:
             if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
                 probs.append(filtered_probs(logits, temp, tok))             # [B, V]
         if self.keep_probs and num_rows:
-            buf = self._probs_buffer(state)
-            # NOTE: padding slots (capacity 0) write the scratch row, never a live row's q.
-            dest = torch.where(capacity > 0, rows, buf.shape[0] - 1)        # [B]
-            buf[dest, 1:] = torch.stack(probs, dim=1)                       # [B, K - 1, V]
+            self._store_probs(state, rows, capacity, probs, first=1)        # q of drafts 2..K
         return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K - 1]
