@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from mrv2.engine_args import add_engine_arguments, engine_kwargs
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -52,18 +54,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep only the last k prompt tokens")
     e = p.add_argument_group("engine (LLM arguments)")
     e.add_argument("--model", default=None, help="HF folder (default: the embedded tiny Qwen3)")
-    e.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="bytes for the KV pool (default on the CPU: a small budget)")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--cudagraph-mode", choices=("FULL", "FULL_DECODE_ONLY", "NONE"), default=None)
+    add_engine_arguments(e)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -151,14 +142,8 @@ def run_generate(args) -> int:
     from mrv2 import LLM
 
     try:
-        llm = LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                  enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
-                  skip_tokenizer_init=args.token_ids)
+        llm = LLM(model=args.model, seed=args.seed, skip_tokenizer_init=args.token_ids,
+                  **engine_kwargs(args))
     except ValueError as exc:
         if "could not load a tokenizer" in str(exc):
             # NOTE: the library's hint names Python arguments; say it in flags.

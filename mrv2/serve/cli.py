@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mrv2.engine_args import add_engine_arguments, engine_kwargs
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's arguments (vLLM's names)."""
@@ -27,20 +29,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the name clients pass as model (default: MODEL, or the embedded "
                         "model's folder name)")
     e = p.add_argument_group("engine (LLM arguments)")
-    e.add_argument("--tokenizer", default=None)
+    add_engine_arguments(e)
     e.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default="auto",
                    help="dummy: random weights of the config's shape (benchmarks)")
-    e.add_argument("--dtype", default="auto")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--cudagraph-mode", choices=("FULL", "FULL_DECODE_ONLY", "NONE"), default=None)
     e.add_argument("--no-enable-prefix-caching", action="store_true")
     e.add_argument("--no-async-scheduling", action="store_true")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
@@ -59,16 +51,10 @@ def build_llm(args):
 
 def llm_kwargs(args) -> dict:
     """The ``LLM`` arguments of parsed ``serve`` arguments."""
-    return dict(  # noqa: C408 (the LLM keywords, as they read)
-                model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                num_gpu_blocks_override=args.num_gpu_blocks_override,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory_bytes=args.kv_cache_memory_bytes, load_format=args.load_format,
-                enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
-                enable_prefix_caching=not args.no_enable_prefix_caching,
-                async_scheduling=False if args.no_async_scheduling else None)
+    return dict(
+        model=args.model_flag or args.model, seed=args.seed, load_format=args.load_format,
+        enable_prefix_caching=not args.no_enable_prefix_caching,
+        async_scheduling=False if args.no_async_scheduling else None, **engine_kwargs(args))
 
 
 def served_name(args, llm) -> str:
