@@ -109,33 +109,26 @@ def _top_k_probs(logprobs: dict, temp: float) -> dict:
     return dict(zip(ids, p / p.sum()))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_first_two_tokens_follow_the_targets_distribution(plain, method):
-    temp, top_k, n = 1.0, 3, 120
-    prompt = {"prompt_token_ids": LOOP}
+def _two_token_joint(plain, start: list[int], top_k: int, temp: float) -> dict:
+    """The target's top-k filtered joint distribution of the first two tokens after
+    ``start``, from its own logprobs (one plain step per first token)."""
     greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=top_k)
-    lp1 = plain.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].logprobs[0]
-    first = _top_k_probs({t: v for t, v in lp1.items() if v.rank <= top_k}, temp)
-    joint = {}
-    for t1, p1 in first.items():
-        nxt = {"prompt_token_ids": LOOP + [t1]}
-        lp2 = plain.generate(nxt, greedy, use_tqdm=False)[0].outputs[0].logprobs[0]
-        for t2, p2 in _top_k_probs({t: v for t, v in lp2.items() if v.rank <= top_k},
-                                   temp).items():
-            joint[(t1, t2)] = p1 * p2
-    # NOTE: one wide batch: the interpreted kernels cost per launch, not per row.
-    llm = LLM(dtype="float32", max_model_len=32, max_num_seqs=n,
-              speculative_config=_cfg(method, 2))
-    sp = [SamplingParams(temperature=temp, top_k=top_k, seed=s, max_tokens=3, ignore_eos=True)
-          for s in range(n)]
-    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
-    assert llm.runner.spec.stats.num_accepted_tokens > 0
-    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+
+    def top(prompt_ids):
+        lp = plain.generate({"prompt_token_ids": prompt_ids}, greedy,
+                            use_tqdm=False)[0].outputs[0].logprobs[0]
+        return _top_k_probs({t: v for t, v in lp.items() if v.rank <= top_k}, temp)
+
+    return {(t1, t2): p1 * p2 for t1, p1 in top(start).items()
+            for t2, p2 in top(start + [t1]).items()}
+
+
+def _assert_pairs_follow(pairs: list[tuple[int, int]], joint: dict) -> None:
+    """Chi-squared: the sampled first-two-token pairs follow ``joint``."""
     assert set(pairs) <= set(joint), "a pair outside the target's support"
     cells = sorted(joint)
     obs = np.array([pairs.count(c) for c in cells], dtype=np.float64)
-    exp = np.array([joint[c] for c in cells]) * n
+    exp = np.array([joint[c] for c in cells]) * len(pairs)
     # Pool the cells expected below 5 times, with the smallest other cell if still below 5
     # (here t1 != 199 has p ~ 1e-4: a single such sample must not decide the test).
     order = np.argsort(exp)
@@ -145,6 +138,21 @@ def test_first_two_tokens_follow_the_targets_distribution(plain, method):
     exp_b = [exp[order][pool].sum()] + list(exp[order][~pool])
     assert len(obs_b) >= 3
     assert stats.chisquare(obs_b, exp_b).pvalue > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_first_two_tokens_follow_the_targets_distribution(plain, method):
+    temp, top_k, n = 1.0, 3, 120
+    joint = _two_token_joint(plain, LOOP, top_k, temp)
+    # NOTE: one wide batch: the interpreted kernels cost per launch, not per row.
+    llm = LLM(dtype="float32", max_model_len=32, max_num_seqs=n,
+              speculative_config=_cfg(method, 2))
+    sp = [SamplingParams(temperature=temp, top_k=top_k, seed=s, max_tokens=3, ignore_eos=True)
+          for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": LOOP}] * n, sp, use_tqdm=False)
+    assert llm.runner.spec.stats.num_accepted_tokens > 0
+    _assert_pairs_follow([tuple(o.outputs[0].token_ids[:2]) for o in outs], joint)
 
 
 def test_bad_verification_refused():

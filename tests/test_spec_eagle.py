@@ -13,13 +13,11 @@ import importlib.util
 import json
 import pathlib
 
-import numpy as np
 import pytest
 import test_spec_decode_e2e as e2e
 import torch
 from engine_checks import assert_nothing_held
-from scipy import stats
-from test_spec_decode_probabilistic import _top_k_probs
+from test_spec_decode_probabilistic import _assert_pairs_follow, _two_token_joint
 
 from mrv2 import LLM, SamplingParams
 from mrv2.cuda_graphs import CudaGraphManager
@@ -102,36 +100,14 @@ def test_probabilistic_first_two_tokens_follow_the_targets_distribution(plain):
     """As test_spec_decode_probabilistic's chi-squared test, with EAGLE drafts (K = 2), on a
     2-token prompt ("JULIET:") and 60 trials to keep it small."""
     temp, top_k, n, start = 1.0, 3, 60, [952, 26]
-    prompt = {"prompt_token_ids": start}
-    greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=top_k)
-
-    def top(lp):
-        return _top_k_probs({t: v for t, v in lp.items() if v.rank <= top_k}, temp)
-
-    first = top(plain.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].logprobs[0])
-    joint = {}
-    for t1, p1 in first.items():
-        lp2 = plain.generate({"prompt_token_ids": start + [t1]}, greedy,
-                             use_tqdm=False)[0].outputs[0].logprobs[0]
-        joint.update({(t1, t2): p1 * p2 for t2, p2 in top(lp2).items()})
+    joint = _two_token_joint(plain, start, top_k, temp)
     llm = LLM(dtype="float32", max_model_len=32, max_num_seqs=n,
               speculative_config=_eagle(2, verification="probabilistic"))
     sp = [SamplingParams(temperature=temp, top_k=top_k, seed=s, max_tokens=3, ignore_eos=True)
           for s in range(n)]
-    outs = llm.generate([prompt] * n, sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": start}] * n, sp, use_tqdm=False)
     assert llm.runner.spec.stats.num_accepted_tokens > 0
-    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
-    assert set(pairs) <= set(joint), "a pair outside the target's support"
-    cells = sorted(joint)
-    obs = np.array([pairs.count(c) for c in cells], dtype=np.float64)
-    exp = np.array([joint[c] for c in cells]) * n
-    order = np.argsort(exp)  # pool the cells expected below 5 (see the original test)
-    pool = np.cumsum(exp[order]) < 5
-    pool[np.argmin(pool)] = True
-    obs_b = [obs[order][pool].sum()] + list(obs[order][~pool])
-    exp_b = [exp[order][pool].sum()] + list(exp[order][~pool])
-    assert len(obs_b) >= 3
-    assert stats.chisquare(obs_b, exp_b).pvalue > 1e-3
+    _assert_pairs_follow([tuple(o.outputs[0].token_ids[:2]) for o in outs], joint)
 
 
 # -- the head: its numerics, its checkpoint layout ---------------------------------------
