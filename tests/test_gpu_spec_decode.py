@@ -1,4 +1,5 @@
-"""GPU: the speculating step loop never synchronises, and its tokens equal those without it."""
+"""GPU: the speculating step loop (n-gram, draft model, EAGLE) never synchronises, and its
+fp32 tokens equal those without it."""
 
 import pytest
 import torch
@@ -14,11 +15,12 @@ LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199, 952, 26]
 
 
 DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
+EAGLE = str(DEFAULT_MODEL_DIR) + "-eagle"
 
 
 def _spec(k, method="ngram", **extra):
-    if method == "draft_model":
-        extra["model"] = DRAFT
+    if method in ("draft_model", "eagle"):
+        extra["model"] = DRAFT if method == "draft_model" else EAGLE
     return {"method": method, "num_speculative_tokens": k, **extra}
 
 
@@ -48,7 +50,7 @@ def _tight(**kw):
 
 
 @pytest.mark.parametrize("verification", ["exact", "probabilistic"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("mode", ["FULL", "NONE"])
 def test_speculating_loop_runs_under_sync_debug_error(mode, method, verification):
     """Prefill chunks beside speculating decodes, finishes, preemption; async + graphs."""
@@ -63,7 +65,7 @@ def test_speculating_loop_runs_under_sync_debug_error(mode, method, verification
     assert llm.kv_manager.num_free_blocks == llm.kv_manager.num_blocks
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_fp32_tokens_equal_without_speculation(k, method):
     """fp32: greedy and seeded tokens equal, logprobs close, async on, graphs on."""
