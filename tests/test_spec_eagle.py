@@ -17,7 +17,9 @@ import pytest
 import test_spec_decode_e2e as e2e
 import torch
 from engine_checks import assert_nothing_held
-from test_spec_decode_probabilistic import _assert_pairs_follow, _two_token_joint
+
+# _tight: 4 rows, 16 tokens a step, 16 blocks of 4: queueing, chunked prefill, preemption.
+from test_spec_decode_probabilistic import _assert_pairs_follow, _ids, _tight, _two_token_joint
 
 from mrv2 import LLM, SamplingParams
 from mrv2.cuda_graphs import CudaGraphManager
@@ -36,17 +38,6 @@ LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199, 952, 26]
 
 def _eagle(k, **extra):
     return {"method": "eagle", "model": EAGLE, "num_speculative_tokens": k, **extra}
-
-
-def _ids(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _tight(spec=None, async_scheduling=False):
-    # 4 rows, 16 tokens a step, 16 blocks of 4 tokens: queueing + chunked prefill + preemption.
-    return LLM(DEFAULT_MODEL_DIR, dtype="float32", max_model_len=64, max_num_seqs=4,
-               max_num_batched_tokens=16, num_gpu_blocks_override=16, block_size=4,
-               async_scheduling=async_scheduling, speculative_config=spec)
 
 
 def _greedy_inputs():
