@@ -68,7 +68,8 @@ def _config(method: str, k: int) -> dict | None:
     return cfg
 
 
-def profile_method(method: str, k: int, output_len: int, top: int) -> dict:
+def profile_method(method: str, k: int, output_len: int, top: int, cprofile_top: int = 0
+                   ) -> dict:
     """One method's timeline summary and top host ops at batch 1."""
     llm = LLM(speculative_config=_config(method, k))
     wl = make_workload("repetitive", llm.hf_config.vocab_size, num_requests=1,
@@ -102,9 +103,25 @@ def profile_method(method: str, k: int, output_len: int, top: int) -> dict:
     _sync()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=top)
     steps = summary.get("num_steps") if isinstance(summary, dict) else None
+    cprofile = None
+    if cprofile_top:
+        import cProfile
+        import io
+        import pstats
+
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        llm.generate([prompt], params, use_tqdm=False)
+        _sync()
+        prof_py.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(prof_py, stream=buf)
+        stats.sort_stats("tottime").print_stats(cprofile_top)
+        stats.sort_stats("cumulative").print_stats(cprofile_top)
+        cprofile = buf.getvalue()
     return {"method": method, "k": k, "output_len": output_len, "wall_s": wall,
             "tpot_ms": wall * 1e3 / output_len, "timeline": summary, "steps": steps,
-            "profile_table": table}
+            "profile_table": table, "cprofile": cprofile}
 
 
 def main() -> None:
@@ -114,13 +131,17 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default=None)
+    p.add_argument("--cprofile", type=int, default=0,
+                   help="also print the N most expensive Python functions (cProfile)")
     args = p.parse_args()
     results = []
     for method in args.methods.split(","):
-        r = profile_method(method, args.k, args.output_len, args.top)
+        r = profile_method(method, args.k, args.output_len, args.top, args.cprofile)
         print(f"== {method}: wall TPOT {r['tpot_ms']:.3f} ms")
         print(json.dumps(r["timeline"], indent=1, default=str)[:3000])
         print(r["profile_table"])
+        if r["cprofile"]:
+            print(r["cprofile"])
         results.append(r)
     if args.out:
         with open(args.out, "w") as f:
