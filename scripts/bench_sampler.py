@@ -31,6 +31,7 @@ from mrv2.platform import DEVICE, HAS_CUDA  # noqa: I001
 import torch
 import triton
 
+from mrv2.bench.report import git_commit
 from mrv2.kernels.gumbel import gumbel_sample
 from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p
 from mrv2.kernels.top_k_top_p import top_k_top_p_min_p_sorted as torch_top_k_top_p
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hardware": torch.cuda.get_device_name() if HAS_CUDA else py_platform.processor() or "cpu",
         "versions": {"python": py_platform.python_version(), "torch": torch.__version__,
                      "triton": triton.__version__},
+        "git_commit": git_commit(),  # the book's figure labels (mrv2.bench.book_plots)
         "smoke": args.smoke,
         "results": results,
     }
