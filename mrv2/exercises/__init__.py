@@ -17,3 +17,14 @@ from mrv2.exercises.checks import (
 
 __all__ = ["ExerciseFailed", "check_gumbel_argmax_kernel", "check_prepare_inputs",
            "check_slot_mapping_kernel"]
+
+# --- chapters 08-12 (mrv2/exercises/ch08_10.py, ch11_12.py) -------------------------------
+from mrv2.exercises.ch08_10 import (
+    check_accept_kernel,
+    check_decode_roofline,
+    check_graph_padding,
+)
+from mrv2.exercises.ch11_12 import check_serve_stats, check_tp_shard
+
+__all__ += ["check_accept_kernel", "check_decode_roofline", "check_graph_padding",
+            "check_serve_stats", "check_tp_shard"]
