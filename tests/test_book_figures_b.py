@@ -46,6 +46,10 @@ def test_newest_by_the_date_inside_not_the_name(tmp_path):
     _write(tmp_path, "z_older.json", _steps("2026-11-01T00:00:00+00:00", commit="old0001"))
     path, res = newest_result("decode_steps", folder=tmp_path)
     assert path.name == "a_newer.json" and res["meta"]["git_commit"] == "new0001"
+    both = {**_profile(), **_steps("2026-12-03T00:00:00+00:00")}   # bench decode --compare-eager
+    _write(tmp_path, "m_both.json", both)
+    assert newest_result("decode_steps", folder=tmp_path)[0].name == "m_both.json"
+    assert newest_result("decode_profile", folder=tmp_path)[0].name == "m_both.json"
 
 
 def test_latency_filters_workload_runners_speculation_graph_mode_and_cpu_runs(tmp_path):

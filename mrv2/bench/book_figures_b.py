@@ -43,14 +43,18 @@ def provenance(res: dict) -> str:
     return f"{name} · {str(meta.get('date', '?'))[:10]} · commit {commit}"
 
 
-def kind_of(res: dict) -> str | None:
-    """Which of ``KINDS`` a results dict is (``None``: another benchmark)."""
+def kinds_of(res: dict) -> set[str]:
+    """Which of ``KINDS`` a results dict holds (``bench decode --compare-eager`` writes the
+    profile and the eager / graphs step times into one JSON: both kinds)."""
+    kinds = set()
     if isinstance(res.get("profile"), dict) and "points" in res["profile"]:
-        return "decode_profile"
+        kinds.add("decode_profile")
     if isinstance(res.get("eager"), dict) and isinstance(res.get("graphs"), dict):
-        return "decode_steps"
+        kinds.add("decode_steps")
     kind = res.get("benchmark") or (res.get("config") or {}).get("kind")
-    return kind if kind in ("throughput", "latency") else None
+    if kind in ("throughput", "latency"):
+        kinds.add(kind)
+    return kinds
 
 
 def _on_gpu(res: dict) -> bool:
@@ -75,7 +79,7 @@ def matches(res: dict, kind: str, workload: str | None = None,
             ``--cudagraph-mode`` override).
         gpu_only: skip CPU (``--tiny``) runs.
     """
-    if kind_of(res) != kind or (gpu_only and not _on_gpu(res)):
+    if kind not in kinds_of(res) or (gpu_only and not _on_gpu(res)):
         return False
     if kind in ("decode_steps", "decode_profile"):
         return True
