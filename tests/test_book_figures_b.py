@@ -55,7 +55,8 @@ def test_newest_by_the_date_inside_not_the_name(tmp_path):
 def test_latency_filters_workload_runners_speculation_graph_mode_and_cpu_runs(tmp_path):
     _write(tmp_path, "plain.json", _latency("2026-11-01"))
     _write(tmp_path, "spec.json", _latency("2026-12-05", speculative="ngram"))
-    _write(tmp_path, "eager_prefill.json", _latency("2026-12-05", cudagraph_mode="FULL_DECODE_ONLY"))
+    _write(tmp_path, "eager_prefill.json",
+           _latency("2026-12-05", cudagraph_mode="FULL_DECODE_ONLY"))
     _write(tmp_path, "v2_only.json", _latency("2026-12-05", runners=("v2",)))
     _write(tmp_path, "other_workload.json", _latency("2026-12-05", workload="shared-prefix"))
     _write(tmp_path, "tiny.json", _latency("2026-12-06", tiny=True))
@@ -71,9 +72,11 @@ def test_latency_filters_workload_runners_speculation_graph_mode_and_cpu_runs(tm
 
 
 def test_provenance_prefers_the_top_level_commit():
-    res = {"meta": _meta("2026-12-01T17:00:33+00:00", commit="8359b84a70cb"), "git_commit": "0125184"}
+    res = {"meta": _meta("2026-12-01T17:00:33+00:00", commit="8359b84a70cb"),
+           "git_commit": "0125184"}
     assert provenance(res) == "NVIDIA H200 · 2026-12-01 · commit 0125184"
-    assert provenance(_latency("2026-11-29T15:38:29")) == "NVIDIA H200 · 2026-11-29 · commit def5678"
+    want = "NVIDIA H200 · 2026-11-29 · commit def5678"
+    assert provenance(_latency("2026-11-29T15:38:29")) == want
 
 
 def _profile():
