@@ -26,3 +26,14 @@ from mrv2.exercises.ch07 import check_post_update_kernel
 
 __all__ += ["check_paged_decode_attention", "check_post_update_kernel",
             "check_sampled_logprobs_kernel", "check_state_rows"]
+
+# --- chapters 08-12 (mrv2/exercises/ch08_10.py, ch11_12.py) -------------------------------
+from mrv2.exercises.ch08_10 import (
+    check_accept_kernel,
+    check_decode_roofline,
+    check_graph_padding,
+)
+from mrv2.exercises.ch11_12 import check_serve_stats, check_tp_shard
+
+__all__ += ["check_accept_kernel", "check_decode_roofline", "check_graph_padding",
+            "check_serve_stats", "check_tp_shard"]
