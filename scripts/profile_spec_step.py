@@ -88,6 +88,7 @@ def profile_method(method: str, k: int, output_len: int, top: int, cprofile_top:
     engine.timeline = tl
     llm.generate([prompt], params, use_tqdm=False)
     engine.timeline = None
+    tl.finalize()
     summary = tl.summary()
     runner = llm.runner
     if runner.spec is not None:
@@ -102,6 +103,9 @@ def profile_method(method: str, k: int, output_len: int, top: int, cprofile_top:
         llm.generate([prompt], params, use_tqdm=False)
     _sync()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=top)
+    if torch.cuda.is_available():  # where the GPU's time goes
+        table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total",
+                                                  row_limit=top)
     steps = summary.get("num_steps") if isinstance(summary, dict) else None
     cprofile = None
     if cprofile_top:
