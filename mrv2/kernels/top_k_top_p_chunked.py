@@ -1,0 +1,276 @@
+"""The chunked threshold search of top-k / top-p / min-p: (rows x chunks) programs a pass.
+
+The kernels behind ``apply_top_k_top_p_min_p`` on the GPU; the semantics, the passes
+and the launch order are in ``mrv2/kernels/top_k_top_p.py``'s docstring. Scratch
+layout (``TopKTopPWorkspace``): ``bracket [R, 4]`` int64 (lo_k, hi_k, lo_p, hi_p),
+``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, 2P + 3]`` fp32 per chunk: P counts (int32
+bits), P masses, the chunk's part of Z, and its max / smallest finite ``s``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
+from mrv2.kernels.top_k_top_p_row import _key
+
+_GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
+_INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
+
+
+@triton.jit
+def _row_knobs(b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+               vocab_size):
+    # The row's knobs through idx_mapping, and whether it has anything to do.
+    req = tl.load(idx_mapping_ptr + b).to(tl.int64)
+    temp = tl.load(temperature_ptr + req)
+    k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
+    min_p = tl.load(min_p_ptr + req)
+    use_k = (k > 0) & (k < vocab_size)
+    use_p = top_p < 1.0
+    active = (temp >= _GREEDY_T) & (use_k | use_p | (min_p > 0.0))
+    return temp, k, top_p, min_p, use_k, use_p, active
+
+
+@triton.jit
+def _load_s(row_ptr, cols, vocab_size, temp):
+    x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf"))
+    return tl.math.div_rn(x.to(tl.float32), temp)
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
+    part_ptr,                                                                        # outputs
+    vocab_size, num_chunks,                                                          # sizes
+    logits_stride, part_stride,                                                      # strides
+    CHUNK_V: tl.constexpr, PART_STATS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    temp, _k, _top_p, _min_p, _use_k, _use_p, active = _row_knobs(
+        b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
+    if active:
+        # Load one chunk; store its max and smallest finite s.
+        cols = c * CHUNK_V + tl.arange(0, CHUNK_V)
+        s = _load_s(logits_ptr + b.to(tl.int64) * logits_stride, cols, vocab_size, temp)
+        out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride + PART_STATS
+        tl.store(out, tl.max(s, axis=0))
+        tl.store(out + 1, tl.min(tl.where(s > float("-inf"), s, float("inf")), axis=0))
+
+
+@triton.jit
+def _init_kernel(
+    idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr,    # inputs
+    bracket_ptr, row_f_ptr,                                                          # outputs
+    vocab_size, num_chunks,                                                          # sizes
+    part_stride,                                                                     # strides
+    NC_POW2: tl.constexpr, PART_STATS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    _temp, _k, _top_p, _min_p, _use_k, _use_p, active = _row_knobs(
+        b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
+    if active:
+        # Reduce the chunk stats; both brackets start at (key(s_min) - 1, key(m)].
+        ci = tl.arange(0, NC_POW2)
+        part = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride + PART_STATS
+        m = tl.max(tl.load(part, mask=ci < num_chunks, other=float("-inf")), axis=0)
+        s_min = tl.min(tl.load(part + 1, mask=ci < num_chunks, other=float("inf")), axis=0)
+        key_m = _key(m).to(tl.int64)
+        lo = _key(s_min).to(tl.int64) - 1
+        tl.store(bracket_ptr + b * 4, lo)
+        tl.store(bracket_ptr + b * 4 + 1, key_m)
+        tl.store(bracket_ptr + b * 4 + 2, lo)
+        tl.store(bracket_ptr + b * 4 + 3, key_m)
+        tl.store(row_f_ptr + b * 2, m)
+
+
+@triton.jit
+def _load_bracket(bracket_ptr, b, use_k, use_p):
+    lo_k = tl.load(bracket_ptr + b * 4)
+    hi_k = tl.load(bracket_ptr + b * 4 + 1)
+    lo_p = tl.load(bracket_ptr + b * 4 + 2)
+    hi_p = tl.load(bracket_ptr + b * 4 + 3)
+    # A converged bracket (hi = lo + 1) needs no more rounds.
+    need_k = use_k & (hi_k - lo_k > 1)
+    need_p = use_p & (hi_p - lo_p > 1)
+    return lo_k, hi_k, lo_p, hi_p, need_k, need_p
+
+
+@triton.jit
+def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
+    # NUM_PIVOTS non-decreasing keys in (lo, hi], the last one hi.
+    j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)                           # [P]
+    return (lo + ((hi - lo) * j) // NUM_PIVOTS).to(tl.int32)
+
+
+@triton.jit
+def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m, do_z,
+                    lo_k, hi_k, lo_p, hi_p, piv_k, piv_p,
+                    DO_K: tl.constexpr, DO_P: tl.constexpr,
+                    CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
+    # Over one chunk: count(key > piv_k[j]), sum(exp(s - m), key > piv_p[j]), and Z's part.
+    # NOTE: per-thread partials [BV, P] are reduced once per chunk, not per block; a block
+    # with no key in (lo, hi] adds only its keys above hi (they pass every pivot).
+    cols0 = tl.arange(0, BLOCK_V)
+    cnt = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
+    mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
+    cnt_above = tl.zeros([BLOCK_V], dtype=tl.int32)
+    mass_above = tl.zeros([BLOCK_V], dtype=tl.float32)
+    z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, CHUNK_V, BLOCK_V):
+        s = _load_s(row_ptr, chunk_start + start + cols0, vocab_size, temp)
+        key = _key(s)                                                          # [BV]
+        if DO_K:
+            inside = ((key > lo_k) & (key <= hi_k)).to(tl.int32)
+            if tl.max(inside, axis=0) > 0:
+                cnt += (key[:, None] > piv_k[None, :]).to(tl.int32)            # [BV, P]
+            else:
+                cnt_above += (key > hi_k).to(tl.int32)
+        if DO_P:
+            e = tl.exp(s - m)                                                  # [BV]
+            z_acc += e
+            inside = ((key > lo_p) & (key <= hi_p)).to(tl.int32)
+            if tl.max(inside, axis=0) > 0:
+                mass += tl.where(key[:, None] > piv_p[None, :], e[:, None], 0.0)  # [BV, P]
+            else:
+                mass_above += tl.where(key > hi_p, e, 0.0)
+        else:
+            if do_z:
+                z_acc += tl.exp(s - m)
+    cnt_j = tl.sum(cnt, axis=0) + tl.sum(cnt_above, axis=0)                   # [P]
+    mass_j = tl.sum(mass, axis=0) + tl.sum(mass_above, axis=0)                # [P]
+    return cnt_j, mass_j, tl.sum(z_acc, axis=0)
+
+
+@triton.jit
+def _count_kernel(
+    logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
+    bracket_ptr, row_f_ptr,
+    part_ptr,                                                                        # outputs
+    vocab_size, num_chunks, rnd,                                                     # sizes
+    logits_stride, part_stride,                                                      # strides
+    CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    temp, _k, _top_p, _min_p, use_k, use_p, active = _row_knobs(
+        b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
+    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
+    # Round 0 always runs (it sums Z); later rounds only while a bracket is open.
+    if active & (need_k | need_p | (rnd == 0)):
+        m = tl.load(row_f_ptr + b * 2)
+        row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
+        piv_k = _pivots(lo_k, hi_k, NUM_PIVOTS)                                # [P]
+        piv_p = _pivots(lo_p, hi_p, NUM_PIVOTS)                                # [P]
+        lo_k32, hi_k32 = lo_k.to(tl.int32), hi_k.to(tl.int32)
+        lo_p32, hi_p32 = lo_p.to(tl.int32), hi_p.to(tl.int32)
+        # Count / sum only the searches still open (else round 0 sums Z only).
+        if need_k & need_p:
+            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
+                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                           True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        elif need_k:
+            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
+                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                           True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        elif need_p:
+            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
+                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                           False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        else:
+            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
+                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                           False, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        # Store [cnt (as fp32 bits) | mass | z] for the narrow kernel.
+        out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
+        pj = tl.arange(0, NUM_PIVOTS)
+        tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
+        tl.store(out + NUM_PIVOTS + pj, mass)
+        tl.store(out + 2 * NUM_PIVOTS, z)
+
+
+@triton.jit
+def _narrow(lo, hi, found, NUM_PIVOTS: tl.constexpr):
+    # Predicates are monotone along the (non-decreasing) pivots: the first pivot that
+    # holds is the new hi, the last that fails the new lo.
+    piv = _pivots(lo, hi, NUM_PIVOTS).to(tl.int64)                           # [P]
+    new_hi = tl.min(tl.where(found, piv, hi), axis=0)
+    new_lo = tl.max(tl.where(found, lo, piv), axis=0)
+    return new_lo, new_hi
+
+
+@triton.jit
+def _narrow_kernel(
+    idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr,    # inputs
+    bracket_ptr, row_f_ptr,                                                          # in/out
+    vocab_size, num_chunks, rnd,                                                     # sizes
+    part_stride,                                                                     # strides
+    NC_POW2: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    _temp, k, top_p, _min_p, use_k, use_p, active = _row_knobs(
+        b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
+    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
+    # NOTE: the same condition as _count_kernel's: it read the same bracket.
+    if active & (need_k | need_p | (rnd == 0)):
+        # Reduce the chunks' partials [NC, P] over the chunks.
+        ci = tl.arange(0, NC_POW2)
+        pj = tl.arange(0, NUM_PIVOTS)
+        rows = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride        # [NC]
+        mask = ci < num_chunks
+        if rnd == 0:
+            z = tl.sum(tl.load(rows + 2 * NUM_PIVOTS, mask=mask, other=0.0), axis=0)
+            tl.store(row_f_ptr + b * 2 + 1, z)
+        else:
+            z = tl.load(row_f_ptr + b * 2 + 1)
+        if need_k:
+            cnt = tl.load(rows[:, None] + pj[None, :], mask=mask[:, None], other=0.0)
+            cnt = tl.sum(cnt.to(tl.int32, bitcast=True), axis=0)                # [P]
+            lo_k, hi_k = _narrow(lo_k, hi_k, cnt < k, NUM_PIVOTS)
+            tl.store(bracket_ptr + b * 4, lo_k)
+            tl.store(bracket_ptr + b * 4 + 1, hi_k)
+        if need_p:
+            mass = tl.load(rows[:, None] + NUM_PIVOTS + pj[None, :], mask=mask[:, None],
+                           other=0.0)
+            lo_p, hi_p = _narrow(lo_p, hi_p, tl.sum(mass, axis=0) < top_p * z, NUM_PIVOTS)
+            tl.store(bracket_ptr + b * 4 + 2, lo_p)
+            tl.store(bracket_ptr + b * 4 + 3, hi_p)
+
+
+@triton.jit
+def _write_kernel(
+    logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
+    bracket_ptr, row_f_ptr,
+    # (outputs: logits_ptr, in place)
+    vocab_size,                                                                      # sizes
+    logits_stride,                                                                   # strides
+    CHUNK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    temp, _k, _top_p, min_p, use_k, use_p, active = _row_knobs(
+        b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
+    if active:
+        # One threshold (the larger of the active ones); the top token stays.
+        hi_k = tl.load(bracket_ptr + b * 4 + 1)
+        hi_p = tl.load(bracket_ptr + b * 4 + 3)
+        m = tl.load(row_f_ptr + b * 2)
+        z = tl.load(row_f_ptr + b * 2 + 1)
+        thresh = tl.where(use_k, hi_k, _INT32_MIN)
+        thresh = tl.where(use_p, tl.maximum(thresh, hi_p), thresh)
+        thresh = tl.minimum(thresh, _key(m).to(tl.int64)).to(tl.int32)
+        # NOTE: min_p <= 0 gives p_floor <= 0, which no probability is below: off for free.
+        p_floor = min_p * (1.0 / z)
+        # Write -inf over the removed logits of this chunk.
+        row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
+        cols = c * CHUNK_V + tl.arange(0, CHUNK_V)
+        s = _load_s(row_ptr, cols, vocab_size, temp)
+        drop = _key(s) < thresh
+        drop = drop | (tl.exp(s - m) / z < p_floor)
+        drop = drop & (s < m) & (s > float("-inf"))
+        neg_inf = tl.full([CHUNK_V], float("-inf"), tl.float32)
+        tl.store(row_ptr + cols, neg_inf.to(logits_ptr.dtype.element_ty),
+                 mask=(cols < vocab_size) & drop)
