@@ -21,23 +21,30 @@ pass is a grid of (rows x chunks) programs, with a one-program-per-row kernel be
 passes that reduces the per-chunk partials and narrows the row's bracket (the kernels
 are in ``mrv2/kernels/top_k_top_p_chunked.py``):
 
-1. ``_stats_kernel`` (rows x chunks): per-chunk max and smallest finite ``s``.
-2. ``_init_kernel`` (rows): row max ``m``, the brackets (key(s_min) - 1, key(m)].
+1. ``_stats_kernel`` (rows x chunks): per chunk its max ``m_c``, smallest finite ``s``,
+   ``sum(exp(s - m_c))`` and the maxima of its ``BLOCK_V``-wide blocks.
+2. ``_init_kernel`` (rows): ``m``, ``Z = sum(z_c * exp(m_c - m))``, and the brackets
+   (lo, key(m)]. lo starts at key(s_min) - 1 and is raised by bisection over the block
+   maxima: if k of them (or ``top_p * Z`` of their mass) lie above ``t``, the row's
+   predicate fails at ``t``. With both filters on, both searches start at the larger lo
+   (only ``max(thresh_k, thresh_p)`` is used). For top-k <= the number of blocks, or a
+   peaked top-p, that leaves a few dozen tokens inside the bracket.
 3. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
-   ``exp(s - m)`` above each of the round's pivots (round 0 also sums ``Z``), then
-   ``_narrow_kernel`` (rows) keeps the pivot interval where each predicate flips.
+   ``exp(s - m)`` above each of the round's pivots, then ``_narrow_kernel`` (rows)
+   keeps the pivot interval where each predicate flips.
 4. ``_write_kernel`` (rows x chunks): -inf over the removed logits, in place.
 
-So 1 + NUM_ROUNDS + 1 reads of the logits and 2 * NUM_ROUNDS + 3 launches, fixed
+So at most NUM_ROUNDS + 2 reads of the logits and 2 * NUM_ROUNDS + 3 launches, fixed
 grids and no host sync (CUDA-graph safe). A row whose brackets have converged (or that
-is greedy, or has every filter off) exits its programs after reading a few words, and
-a block of ``BLOCK_V`` logits with no key inside the bracket skips the
-[BLOCK_V, NUM_PIVOTS] compares (it only adds what lies above the bracket), which is
-most blocks once the bracket sits near the top of the row (small k, peaked top-p).
+is greedy, has every filter off, or uses min-p alone) exits its programs after reading
+a few words, and a block of ``BLOCK_V`` logits with no key inside the bracket skips
+the [BLOCK_V, NUM_PIVOTS] compares (it only adds what lies above the bracket): with a
+tight bracket a round costs about one read of the logits.
 The scratch is ``top_k_top_p_workspace``: pass one in to keep the step path free of
 allocations. ``mrv2/kernels/top_k_top_p_row.py`` holds the one-program-per-row
 version, the default under TRITON_INTERPRET (fewer programs for the interpreter's
-Python loop).
+Python loop). ``Z`` sums per chunk, so top-p / min-p may differ from the row kernel
+by a token whose mass sits within fp32 rounding of the edge.
 
 Ties exactly at the threshold: every token tied with the threshold value is kept
 (a sort keeps only those that happen to come first). The top token always stays.
@@ -69,7 +76,7 @@ class TopKTopPWorkspace(NamedTuple):
 
     bracket: torch.Tensor   # [R, 4] int64: lo_k, hi_k, lo_p, hi_p (keys)
     row_f: torch.Tensor     # [R, 2] float32: m, Z
-    part: torch.Tensor      # [R, NC, 2P + 3] float32: per chunk cnt | mass | Z | max, min
+    part: torch.Tensor      # [R, NC, W] float32: per chunk (see top_k_top_p_chunked.py)
 
 
 def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
@@ -90,6 +97,11 @@ def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
     return block_v, chunk_v, triton.cdiv(vocab_size, chunk_v)
 
 
+def _part_width(block_v: int, chunk_v: int, num_pivots: int) -> int:
+    # A round's counts | masses, or the stats pass's block maxima; then Z's part, max, min.
+    return max(2 * num_pivots, chunk_v // block_v) + 3
+
+
 def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
                           block_v: int | None = None, chunk_v: int | None = None,
                           num_pivots: int = 16) -> TopKTopPWorkspace:
@@ -104,12 +116,12 @@ def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
     Returns:
         A ``TopKTopPWorkspace`` for ``apply_top_k_top_p_min_p(..., workspace=)``.
     """
-    _, _, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
+    block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
     return TopKTopPWorkspace(
         torch.empty(num_rows, 4, dtype=torch.int64, device=device),
         torch.empty(num_rows, 2, dtype=torch.float32, device=device),
-        torch.empty(num_rows, num_chunks, 2 * num_pivots + 3, dtype=torch.float32,
-                    device=device))
+        torch.empty(num_rows, num_chunks, _part_width(block_v, chunk_v, num_pivots),
+                    dtype=torch.float32, device=device))
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
@@ -155,7 +167,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                            min_p, block_v=block_v, num_pivots=num_pivots,
                                            num_warps=num_warps)
     block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
-    width = 2 * num_pivots + 3
+    width = _part_width(block_v, chunk_v, num_pivots)
     if workspace is None:
         workspace = top_k_top_p_workspace(num_rows, vocab_size, logits.device, block_v=block_v,
                                           chunk_v=chunk_v, num_pivots=num_pivots)
@@ -172,19 +184,22 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
     opts = {} if TRITON_INTERPRET else {"num_warps": num_warps or 8}
     one = {} if TRITON_INTERPRET else {"num_warps": 4}
     _stats_kernel[grid](logits, *knobs, part, vocab_size, num_chunks, logits.stride(0),
-                        part.stride(1), CHUNK_V=chunk_v, PART_STATS=width - 2, **opts)
+                        part.stride(1), CHUNK_V=chunk_v, BLOCK_V=block_v,
+                        PART_STATS=width - 3, **opts)
     _init_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
-                              part.stride(1), NC_POW2=nc_pow2, PART_STATS=width - 2, **one)
-    for rnd in range(num_rounds):
-        _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks, rnd,
+                              part.stride(1), NC_POW2=nc_pow2, NB=chunk_v // block_v,
+                              PART_STATS=width - 3, **one)
+    for _ in range(num_rounds):
+        _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks,
                             logits.stride(0), part.stride(1), CHUNK_V=chunk_v,
                             BLOCK_V=block_v, NUM_PIVOTS=num_pivots, **opts)
-        _narrow_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks, rnd,
+        _narrow_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
                                     part.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                     **one)
     _write_kernel[grid](logits, *knobs, bracket, row_f, vocab_size, logits.stride(0),
                         CHUNK_V=chunk_v, **opts)
     return logits
+
 
 def apply_top_k_top_p_min_p_ref(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                 temperature: torch.Tensor, top_k: torch.Tensor,

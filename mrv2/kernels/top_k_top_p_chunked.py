@@ -3,8 +3,10 @@
 The kernels behind ``apply_top_k_top_p_min_p`` on the GPU; the semantics, the passes
 and the launch order are in ``mrv2/kernels/top_k_top_p.py``'s docstring. Scratch
 layout (``TopKTopPWorkspace``): ``bracket [R, 4]`` int64 (lo_k, hi_k, lo_p, hi_p),
-``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, 2P + 3]`` fp32 per chunk: P counts (int32
-bits), P masses, the chunk's part of Z, and its max / smallest finite ``s``.
+``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, W]`` fp32 per chunk with ``W = max(2P, NB) + 3``
+(``NB = CHUNK_V // BLOCK_V``): P counts (int32 bits) and P masses of a round, written
+over the NB block maxima that ``_init_kernel`` has read; then the chunk's
+``sum(exp(s - m_c))``, its max ``m_c`` and its smallest finite ``s``.
 """
 
 from __future__ import annotations
@@ -46,19 +48,39 @@ def _stats_kernel(
     part_ptr,                                                                        # outputs
     vocab_size, num_chunks,                                                          # sizes
     logits_stride, part_stride,                                                      # strides
-    CHUNK_V: tl.constexpr, PART_STATS: tl.constexpr,
+    CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, PART_STATS: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
     temp, _k, _top_p, _min_p, _use_k, _use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     if active:
-        # Load one chunk; store its max and smallest finite s.
+        # Load one chunk: its max m_c, smallest finite s, sum(exp(s - m_c)), block maxima.
         cols = c * CHUNK_V + tl.arange(0, CHUNK_V)
         s = _load_s(logits_ptr + b.to(tl.int64) * logits_stride, cols, vocab_size, temp)
-        out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride + PART_STATS
-        tl.store(out, tl.max(s, axis=0))
-        tl.store(out + 1, tl.min(tl.where(s > float("-inf"), s, float("inf")), axis=0))
+        m_c = tl.max(s, axis=0)
+        # NOTE: an all -inf chunk would give exp(-inf - -inf) = nan; its sum is 0.
+        z_c = tl.sum(tl.exp(s - tl.where(m_c > float("-inf"), m_c, 0.0)), axis=0)
+        block_max = tl.max(tl.reshape(s, [CHUNK_V // BLOCK_V, BLOCK_V]), axis=1)  # [NB]
+        out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
+        tl.store(out + tl.arange(0, CHUNK_V // BLOCK_V), block_max)
+        tl.store(out + PART_STATS, z_c)
+        tl.store(out + PART_STATS + 1, m_c)
+        tl.store(out + PART_STATS + 2, tl.min(tl.where(s > float("-inf"), s, float("inf")),
+                                              axis=0))
+
+
+@triton.jit
+def _bound(keys, weight, need, lo, hi):
+    # The largest t in [lo, hi) with sum(weight, keys > t) >= need, by bisection (lo if none).
+    # NOTE: the keys are a subset of the row (block maxima), so the whole row has at least
+    # that count / mass above t: the predicate fails at t, which makes t a valid lo.
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(tl.sum(tl.where(keys > mid, weight, 0.0), axis=1), axis=0) >= need
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -67,24 +89,53 @@ def _init_kernel(
     bracket_ptr, row_f_ptr,                                                          # outputs
     vocab_size, num_chunks,                                                          # sizes
     part_stride,                                                                     # strides
-    NC_POW2: tl.constexpr, PART_STATS: tl.constexpr,
+    NC_POW2: tl.constexpr, NB: tl.constexpr, PART_STATS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    _temp, _k, _top_p, _min_p, _use_k, _use_p, active = _row_knobs(
+    _temp, k, top_p, _min_p, use_k, use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     if active:
-        # Reduce the chunk stats; both brackets start at (key(s_min) - 1, key(m)].
+        # Reduce the chunk stats: m, s_min, Z = sum(z_c * exp(m_c - m)).
         ci = tl.arange(0, NC_POW2)
-        part = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride + PART_STATS
-        m = tl.max(tl.load(part, mask=ci < num_chunks, other=float("-inf")), axis=0)
-        s_min = tl.min(tl.load(part + 1, mask=ci < num_chunks, other=float("inf")), axis=0)
+        mask = ci < num_chunks
+        rows = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride       # [NC]
+        m_c = tl.load(rows + PART_STATS + 1, mask=mask, other=float("-inf"))
+        m = tl.max(m_c, axis=0)
+        s_min = tl.min(tl.load(rows + PART_STATS + 2, mask=mask, other=float("inf")), axis=0)
+        z_c = tl.load(rows + PART_STATS, mask=mask, other=0.0)
+        z = tl.sum(tl.where(m_c > float("-inf"), z_c * tl.exp(m_c - m), 0.0), axis=0)
         key_m = _key(m).to(tl.int64)
         lo = _key(s_min).to(tl.int64) - 1
-        tl.store(bracket_ptr + b * 4, lo)
+        # Raise each lo with the block maxima: >= k of them above t, or >= top_p * Z of
+        # mass above t, means the row's predicate fails at t.
+        block_max = tl.load(rows[:, None] + tl.arange(0, NB)[None, :], mask=mask[:, None],
+                            other=float("-inf"))                                  # [NC, NB]
+        keys = _key(block_max).to(tl.int64)
+        lo_k = lo
+        lo_p = lo
+        if use_k:
+            lo_k = _bound(keys, tl.full([NC_POW2, NB], 1.0, tl.float32), k.to(tl.float32),
+                          lo, key_m)
+        if use_p:
+            lo_p = _bound(keys, tl.exp(block_max - m), top_p * z, lo, key_m)
+        # NOTE: only max(thresh_k, thresh_p) matters, and thresh_k > lo_k: the top-p search
+        # may start at lo_k too (a thresh_p below it is never used), and the other way round.
+        lo_k, lo_p = _share_lo(lo_k, key_m, lo_p, key_m, use_k & use_p)
+        tl.store(bracket_ptr + b * 4, lo_k)
         tl.store(bracket_ptr + b * 4 + 1, key_m)
-        tl.store(bracket_ptr + b * 4 + 2, lo)
+        tl.store(bracket_ptr + b * 4 + 2, lo_p)
         tl.store(bracket_ptr + b * 4 + 3, key_m)
         tl.store(row_f_ptr + b * 2, m)
+        tl.store(row_f_ptr + b * 2 + 1, z)
+
+
+@triton.jit
+def _share_lo(lo_k, hi_k, lo_p, hi_p, both):
+    # Both searches start at the larger lo; one whose hi is <= it is settled (hi - 1, hi].
+    lo = tl.maximum(lo_k, lo_p)
+    new_k = tl.minimum(lo, hi_k - 1)
+    new_p = tl.minimum(lo, hi_p - 1)
+    return tl.where(both, new_k, lo_k), tl.where(both, new_p, lo_p)
 
 
 @triton.jit
@@ -107,11 +158,11 @@ def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m, do_z,
+def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m,
                     lo_k, hi_k, lo_p, hi_p, piv_k, piv_p,
                     DO_K: tl.constexpr, DO_P: tl.constexpr,
                     CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
-    # Over one chunk: count(key > piv_k[j]), sum(exp(s - m), key > piv_p[j]), and Z's part.
+    # Over one chunk: count(key > piv_k[j]) and sum(exp(s - m), key > piv_p[j]).
     # NOTE: per-thread partials [BV, P] are reduced once per chunk, not per block; a block
     # with no key in (lo, hi] adds only its keys above hi (they pass every pivot).
     cols0 = tl.arange(0, BLOCK_V)
@@ -119,7 +170,6 @@ def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m, do_z,
     mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
     cnt_above = tl.zeros([BLOCK_V], dtype=tl.int32)
     mass_above = tl.zeros([BLOCK_V], dtype=tl.float32)
-    z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, CHUNK_V, BLOCK_V):
         s = _load_s(row_ptr, chunk_start + start + cols0, vocab_size, temp)
         key = _key(s)                                                          # [BV]
@@ -131,18 +181,14 @@ def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m, do_z,
                 cnt_above += (key > hi_k).to(tl.int32)
         if DO_P:
             e = tl.exp(s - m)                                                  # [BV]
-            z_acc += e
             inside = ((key > lo_p) & (key <= hi_p)).to(tl.int32)
             if tl.max(inside, axis=0) > 0:
                 mass += tl.where(key[:, None] > piv_p[None, :], e[:, None], 0.0)  # [BV, P]
             else:
                 mass_above += tl.where(key > hi_p, e, 0.0)
-        else:
-            if do_z:
-                z_acc += tl.exp(s - m)
     cnt_j = tl.sum(cnt, axis=0) + tl.sum(cnt_above, axis=0)                   # [P]
     mass_j = tl.sum(mass, axis=0) + tl.sum(mass_above, axis=0)                # [P]
-    return cnt_j, mass_j, tl.sum(z_acc, axis=0)
+    return cnt_j, mass_j
 
 
 @triton.jit
@@ -150,7 +196,7 @@ def _count_kernel(
     logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
     bracket_ptr, row_f_ptr,
     part_ptr,                                                                        # outputs
-    vocab_size, num_chunks, rnd,                                                     # sizes
+    vocab_size, num_chunks,                                                          # sizes
     logits_stride, part_stride,                                                      # strides
     CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr,
 ):
@@ -159,37 +205,32 @@ def _count_kernel(
     temp, _k, _top_p, _min_p, use_k, use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
-    # Round 0 always runs (it sums Z); later rounds only while a bracket is open.
-    if active & (need_k | need_p | (rnd == 0)):
+    # A program runs only while one of its row's brackets is open.
+    if active & (need_k | need_p):
         m = tl.load(row_f_ptr + b * 2)
         row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
         piv_k = _pivots(lo_k, hi_k, NUM_PIVOTS)                                # [P]
         piv_p = _pivots(lo_p, hi_p, NUM_PIVOTS)                                # [P]
         lo_k32, hi_k32 = lo_k.to(tl.int32), hi_k.to(tl.int32)
         lo_p32, hi_p32 = lo_p.to(tl.int32), hi_p.to(tl.int32)
-        # Count / sum only the searches still open (else round 0 sums Z only).
+        # Count / sum only the searches still open.
         if need_k & need_p:
-            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
-                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                           True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
+                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                        True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
         elif need_k:
-            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
-                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                           True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-        elif need_p:
-            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
-                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                           False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
+                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                        True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
         else:
-            cnt, mass, z = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m, rnd == 0,
-                                           lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                           False, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-        # Store [cnt (as fp32 bits) | mass | z] for the narrow kernel.
+            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
+                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
+                                        False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        # Store [cnt (as fp32 bits) | mass] for the narrow kernel.
         out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
         pj = tl.arange(0, NUM_PIVOTS)
         tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
         tl.store(out + NUM_PIVOTS + pj, mass)
-        tl.store(out + 2 * NUM_PIVOTS, z)
 
 
 @triton.jit
@@ -206,7 +247,7 @@ def _narrow(lo, hi, found, NUM_PIVOTS: tl.constexpr):
 def _narrow_kernel(
     idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr,    # inputs
     bracket_ptr, row_f_ptr,                                                          # in/out
-    vocab_size, num_chunks, rnd,                                                     # sizes
+    vocab_size, num_chunks,                                                          # sizes
     part_stride,                                                                     # strides
     NC_POW2: tl.constexpr, NUM_PIVOTS: tl.constexpr,
 ):
@@ -215,29 +256,26 @@ def _narrow_kernel(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
     # NOTE: the same condition as _count_kernel's: it read the same bracket.
-    if active & (need_k | need_p | (rnd == 0)):
+    if active & (need_k | need_p):
         # Reduce the chunks' partials [NC, P] over the chunks.
         ci = tl.arange(0, NC_POW2)
         pj = tl.arange(0, NUM_PIVOTS)
         rows = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride        # [NC]
         mask = ci < num_chunks
-        if rnd == 0:
-            z = tl.sum(tl.load(rows + 2 * NUM_PIVOTS, mask=mask, other=0.0), axis=0)
-            tl.store(row_f_ptr + b * 2 + 1, z)
-        else:
-            z = tl.load(row_f_ptr + b * 2 + 1)
         if need_k:
             cnt = tl.load(rows[:, None] + pj[None, :], mask=mask[:, None], other=0.0)
             cnt = tl.sum(cnt.to(tl.int32, bitcast=True), axis=0)                # [P]
             lo_k, hi_k = _narrow(lo_k, hi_k, cnt < k, NUM_PIVOTS)
-            tl.store(bracket_ptr + b * 4, lo_k)
-            tl.store(bracket_ptr + b * 4 + 1, hi_k)
         if need_p:
             mass = tl.load(rows[:, None] + NUM_PIVOTS + pj[None, :], mask=mask[:, None],
                            other=0.0)
+            z = tl.load(row_f_ptr + b * 2 + 1)
             lo_p, hi_p = _narrow(lo_p, hi_p, tl.sum(mass, axis=0) < top_p * z, NUM_PIVOTS)
-            tl.store(bracket_ptr + b * 4 + 2, lo_p)
-            tl.store(bracket_ptr + b * 4 + 3, hi_p)
+        lo_k, lo_p = _share_lo(lo_k, hi_k, lo_p, hi_p, use_k & use_p)
+        tl.store(bracket_ptr + b * 4, lo_k)
+        tl.store(bracket_ptr + b * 4 + 1, hi_k)
+        tl.store(bracket_ptr + b * 4 + 2, lo_p)
+        tl.store(bracket_ptr + b * 4 + 3, hi_p)
 
 
 @triton.jit
