@@ -127,8 +127,12 @@ def filter_case(num_rows: int, vocab: int, dtype: torch.dtype, temperature: floa
             "tokens_differing": (kept_chunked != kept_row).sum().item()}
 
 
-def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool) -> list[dict]:
-    """Time each kernel alone under a few launch configs (T = 0.6; top_k 20, top_p 0.95)."""
+def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
+          filter_only: bool = False) -> list[dict]:
+    """Time each kernel alone under a few launch configs (T = 0.6; top_k 20, top_p 0.95).
+
+    ``filter_only``: only the chunked top-k/top-p configs (and the copy they include).
+    """
     g = torch.Generator(device=DEVICE).manual_seed(0)
     logits = (torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3).to(dtype)
     idx = torch.arange(num_rows, dtype=torch.int32, device=DEVICE)
@@ -141,14 +145,14 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool) -> list[di
     work = logits.clone()
     dt = str(dtype).replace("torch.", "")
     rows = []
-    g_cfgs = ([(256, 4)] if smoke else
+    g_cfgs = ([] if filter_only else [(256, 4)] if smoke else
               [(bv, nw) for bv in (512, 1024, 2048, 4096, 8192) for nw in (2, 4, 8)])
     for bv, nw in g_cfgs:
         us = _time_us(lambda bv=bv, nw=nw: gumbel_sample(logits, idx, temp, seed, pos,
                                                               block_v=bv, num_warps=nw))
         rows.append({"kernel": "gumbel", "dtype": dt, "config": f"block_v={bv} warps={nw}",
                      "us": us})
-    k_cfgs = ([(256, 16, None)] if smoke else
+    k_cfgs = ([] if filter_only else [(256, 16, None)] if smoke else
               [(bv, np_, nw) for bv in (128, 256, 512, 1024) for np_ in (8, 16, 32)
                for nw in (4, 8)])
     for bv, np_, nw in k_cfgs:
@@ -158,8 +162,8 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool) -> list[di
         rows.append({"kernel": "top_k_top_p_row", "dtype": dt,
                      "config": f"block_v={bv} pivots={np_} warps={nw}", "us": us})
     c_cfgs = ([(64, 256, 16, None)] if smoke else
-              [(bv, cv, np_, nw) for bv, cv in ((256, 2048), (512, 4096), (512, 8192),
-                                                (1024, 4096)) for np_ in (8, 16, 32)
+              [(bv, cv, np_, nw) for bv, cv in ((256, 2048), (128, 4096), (256, 4096),
+                                                (512, 4096)) for np_ in (16, 32)
                for nw in (4, 8)])
     for bv, cv, np_, nw in c_cfgs:
         ws = top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=bv, chunk_v=cv,
@@ -230,8 +234,8 @@ def filter_main(num_rows: int, vocab: int, dtypes: list, args) -> dict:
         "filter_results": results,
     }
     if args.sweep:
-        report["sweep"] = [r for dt in dtypes for r in sweep(num_rows, vocab, dt, args.smoke)
-                           if r["kernel"].startswith("top_k_top_p") or r["kernel"] == "copy_only"]
+        report["sweep"] = [r for dt in dtypes
+                           for r in sweep(num_rows, vocab, dt, args.smoke, filter_only=True)]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

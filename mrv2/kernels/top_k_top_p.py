@@ -86,7 +86,7 @@ def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
         raise ValueError(f"num_pivots must be a power of two >= 2, got {num_pivots}")
     v2 = triton.next_power_of_2(max(vocab_size, 16))
     if block_v is None:
-        block_v = min(4096 if TRITON_INTERPRET else 512, v2)
+        block_v = min(4096 if TRITON_INTERPRET else 256, v2)
     if chunk_v is None:
         chunk_v = max(block_v, min(4096, v2))
     for name, val in (("block_v", block_v), ("chunk_v", chunk_v)):

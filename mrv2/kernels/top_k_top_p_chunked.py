@@ -163,32 +163,42 @@ def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m,
                     DO_K: tl.constexpr, DO_P: tl.constexpr,
                     CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr):
     # Over one chunk: count(key > piv_k[j]) and sum(exp(s - m), key > piv_p[j]).
-    # NOTE: per-thread partials [BV, P] are reduced once per chunk, not per block; a block
-    # with no key in (lo, hi] adds only its keys above hi (they pass every pivot).
-    cols0 = tl.arange(0, BLOCK_V)
-    cnt = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
-    mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
-    cnt_above = tl.zeros([BLOCK_V], dtype=tl.int32)
-    mass_above = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for start in range(0, CHUNK_V, BLOCK_V):
-        s = _load_s(row_ptr, chunk_start + start + cols0, vocab_size, temp)
-        key = _key(s)                                                          # [BV]
-        if DO_K:
-            inside = ((key > lo_k) & (key <= hi_k)).to(tl.int32)
-            if tl.max(inside, axis=0) > 0:
-                cnt += (key[:, None] > piv_k[None, :]).to(tl.int32)            # [BV, P]
-            else:
-                cnt_above += (key > hi_k).to(tl.int32)
-        if DO_P:
-            e = tl.exp(s - m)                                                  # [BV]
-            inside = ((key > lo_p) & (key <= hi_p)).to(tl.int32)
-            if tl.max(inside, axis=0) > 0:
-                mass += tl.where(key[:, None] > piv_p[None, :], e[:, None], 0.0)  # [BV, P]
-            else:
-                mass_above += tl.where(key > hi_p, e, 0.0)
-    cnt_j = tl.sum(cnt, axis=0) + tl.sum(cnt_above, axis=0)                   # [P]
-    mass_j = tl.sum(mass, axis=0) + tl.sum(mass_above, axis=0)                # [P]
-    return cnt_j, mass_j
+    # Pass 1, the whole chunk in one load (enough bytes in flight to hide the latency):
+    # what lies above hi passes every pivot, what lies at or below lo none.
+    s = _load_s(row_ptr, chunk_start + tl.arange(0, CHUNK_V), vocab_size, temp)
+    key = _key(s)                                                              # [CV]
+    cnt = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
+    mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
+    num_inside = 0
+    if DO_K:
+        cnt += tl.sum((key > hi_k).to(tl.int32), axis=0)
+        num_inside += tl.sum(((key > lo_k) & (key <= hi_k)).to(tl.int32), axis=0)
+    if DO_P:
+        mass += tl.sum(tl.where(key > hi_p, tl.exp(s - m), 0.0), axis=0)
+        num_inside += tl.sum(((key > lo_p) & (key <= hi_p)).to(tl.int32), axis=0)
+    # Pass 2, only if a key lies inside a bracket: [BLOCK_V, P] compares block by block,
+    # over the blocks that hold one (the reloads hit the cache).
+    # NOTE: per-thread partials [BV, P] are reduced once per chunk, not per block.
+    if num_inside > 0:
+        cols0 = tl.arange(0, BLOCK_V)
+        cnt_bp = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
+        mass_bp = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
+        for start in range(0, CHUNK_V, BLOCK_V):
+            sb = _load_s(row_ptr, chunk_start + start + cols0, vocab_size, temp)
+            kb = _key(sb)                                                      # [BV]
+            if DO_K:
+                inside = (kb > lo_k) & (kb <= hi_k)                            # [BV]
+                if tl.max(inside.to(tl.int32), axis=0) > 0:
+                    cnt_bp += (inside[:, None] & (kb[:, None] > piv_k[None, :])).to(tl.int32)
+            if DO_P:
+                inside = (kb > lo_p) & (kb <= hi_p)                            # [BV]
+                if tl.max(inside.to(tl.int32), axis=0) > 0:
+                    eb = tl.exp(sb - m)                                        # [BV]
+                    take = inside[:, None] & (kb[:, None] > piv_p[None, :])    # [BV, P]
+                    mass_bp += tl.where(take, eb[:, None], 0.0)
+        cnt += tl.sum(cnt_bp, axis=0)
+        mass += tl.sum(mass_bp, axis=0)
+    return cnt, mass
 
 
 @triton.jit
