@@ -100,13 +100,15 @@ def test_block_maxima_bounds():
     the top values packed into one block (a weak bound) and top_p = 0 still match."""
     g = torch.Generator().manual_seed(9)
     vocab = 1024                                 # 4 chunks of 8 blocks: 32 block maxima
-    logits = torch.randn(6, vocab, generator=g) * 3
+    logits = torch.randn(8, vocab, generator=g) * 3
     logits[2, 40:60] = torch.linspace(20.0, 15.0, 20)                     # all in one block
     logits[3, 700:720] = torch.linspace(20.0, 15.0, 20)
     rows = [(0.6, 20, 0.95, 0.0), (0.6, -1, 0.95, 0.0), (1.0, 12, 1.0, 0.0),
-            (0.6, 30, 0.99, 0.01), (1.0, 5, 0.0, 0.0), (2.0, 32, 0.5, 0.0)]
+            (0.6, 30, 0.99, 0.01), (1.0, 5, 0.0, 0.0), (2.0, 32, 0.5, 0.0),
+            (1.0, 200, 0.05, 0.0),     # top-p decides: the top-k search starts above its answer
+            (1.0, 1, 0.999, 0.0)]      # top-k decides: the top-p search starts above its answer
     knobs = _knobs(rows)
-    idx = torch.arange(6, dtype=torch.int32)
+    idx = torch.arange(8, dtype=torch.int32)
     out = _run(logits, idx, *knobs, method="chunked", block_v=32, chunk_v=256)
     assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
     assert (out[2] > NEG_INF).sum() == 12 and (out[4] > NEG_INF).sum() == 1

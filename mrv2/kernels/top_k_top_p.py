@@ -98,8 +98,9 @@ def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
 
 
 def _part_width(block_v: int, chunk_v: int, num_pivots: int) -> int:
-    # A round's counts | masses, or the stats pass's block maxima; then Z's part, max, min.
-    return max(2 * num_pivots, chunk_v // block_v) + 3
+    # A round's counts | masses | 4 bracket ends, or the stats pass's block maxima; then
+    # Z's part, max, min.
+    return max(2 * num_pivots + 4, chunk_v // block_v) + 3
 
 
 def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,

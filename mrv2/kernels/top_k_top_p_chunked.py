@@ -19,6 +19,7 @@ from mrv2.kernels.top_k_top_p_row import _key
 
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
+_INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -169,13 +170,21 @@ def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m,
     key = _key(s)                                                              # [CV]
     cnt = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
     mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
+    # Also the smallest / largest key inside each bracket (the answer is one of them).
     num_inside = 0
+    min_k, max_k, min_p, max_p = _INT32_MAX, _INT32_MIN, _INT32_MAX, _INT32_MIN
     if DO_K:
         cnt += tl.sum((key > hi_k).to(tl.int32), axis=0)
-        num_inside += tl.sum(((key > lo_k) & (key <= hi_k)).to(tl.int32), axis=0)
+        inside = (key > lo_k) & (key <= hi_k)                                  # [CV]
+        num_inside += tl.sum(inside.to(tl.int32), axis=0)
+        min_k = tl.min(tl.where(inside, key, _INT32_MAX), axis=0)
+        max_k = tl.max(tl.where(inside, key, _INT32_MIN), axis=0)
     if DO_P:
         mass += tl.sum(tl.where(key > hi_p, tl.exp(s - m), 0.0), axis=0)
-        num_inside += tl.sum(((key > lo_p) & (key <= hi_p)).to(tl.int32), axis=0)
+        inside = (key > lo_p) & (key <= hi_p)                                  # [CV]
+        num_inside += tl.sum(inside.to(tl.int32), axis=0)
+        min_p = tl.min(tl.where(inside, key, _INT32_MAX), axis=0)
+        max_p = tl.max(tl.where(inside, key, _INT32_MIN), axis=0)
     # Pass 2, only if a key lies inside a bracket: [BLOCK_V, P] compares block by block,
     # over the blocks that hold one (the reloads hit the cache).
     # NOTE: per-thread partials [BV, P] are reduced once per chunk, not per block.
@@ -187,18 +196,18 @@ def _chunk_partials(row_ptr, chunk_start, vocab_size, temp, m,
             sb = _load_s(row_ptr, chunk_start + start + cols0, vocab_size, temp)
             kb = _key(sb)                                                      # [BV]
             if DO_K:
-                inside = (kb > lo_k) & (kb <= hi_k)                            # [BV]
-                if tl.max(inside.to(tl.int32), axis=0) > 0:
-                    cnt_bp += (inside[:, None] & (kb[:, None] > piv_k[None, :])).to(tl.int32)
+                in_b = (kb > lo_k) & (kb <= hi_k)                            # [BV]
+                if tl.max(in_b.to(tl.int32), axis=0) > 0:
+                    cnt_bp += (in_b[:, None] & (kb[:, None] > piv_k[None, :])).to(tl.int32)
             if DO_P:
-                inside = (kb > lo_p) & (kb <= hi_p)                            # [BV]
-                if tl.max(inside.to(tl.int32), axis=0) > 0:
+                in_b = (kb > lo_p) & (kb <= hi_p)                            # [BV]
+                if tl.max(in_b.to(tl.int32), axis=0) > 0:
                     eb = tl.exp(sb - m)                                        # [BV]
-                    take = inside[:, None] & (kb[:, None] > piv_p[None, :])    # [BV, P]
+                    take = in_b[:, None] & (kb[:, None] > piv_p[None, :])    # [BV, P]
                     mass_bp += tl.where(take, eb[:, None], 0.0)
         cnt += tl.sum(cnt_bp, axis=0)
         mass += tl.sum(mass_bp, axis=0)
-    return cnt, mass
+    return cnt, mass, min_k, max_k, min_p, max_p
 
 
 @triton.jit
@@ -225,22 +234,24 @@ def _count_kernel(
         lo_p32, hi_p32 = lo_p.to(tl.int32), hi_p.to(tl.int32)
         # Count / sum only the searches still open.
         if need_k & need_p:
-            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
-                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                        True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
         elif need_k:
-            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
-                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                        True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
         else:
-            cnt, mass = _chunk_partials(row_ptr, c * CHUNK_V, vocab_size, temp, m,
-                                        lo_k32, hi_k32, lo_p32, hi_p32, piv_k, piv_p,
-                                        False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-        # Store [cnt (as fp32 bits) | mass] for the narrow kernel.
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        # Store [cnt (as fp32 bits) | mass | min_k, max_k, min_p, max_p (bits)].
         out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
         pj = tl.arange(0, NUM_PIVOTS)
         tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
         tl.store(out + NUM_PIVOTS + pj, mass)
+        ends = tl.where(pj == 0, min_k, tl.where(pj == 1, max_k, tl.where(pj == 2, min_p, max_p)))
+        tl.store(out + 2 * NUM_PIVOTS + pj, ends.to(tl.float32, bitcast=True), mask=pj < 4)
 
 
 @triton.jit
@@ -251,6 +262,21 @@ def _narrow(lo, hi, found, NUM_PIVOTS: tl.constexpr):
     new_hi = tl.min(tl.where(found, piv, hi), axis=0)
     new_lo = tl.max(tl.where(found, lo, piv), axis=0)
     return new_lo, new_hi
+
+
+@triton.jit
+def _to_data(lo, hi, rows, mask, col):
+    # The answer is a key of the row inside the bracket the round counted in (or lo + 1
+    # when the predicate already held at lo, which a shared lo allows): so the bracket
+    # shrinks to (smallest inside - 1, largest inside]; one key inside: converged.
+    ends_lo = tl.load(rows + col, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+    ends_hi = tl.load(rows + col + 1, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+    key_lo = tl.min(tl.where(mask, ends_lo, _INT32_MAX), axis=0).to(tl.int64)
+    key_hi = tl.max(tl.where(mask, ends_hi, _INT32_MIN), axis=0).to(tl.int64)
+    found = key_hi >= key_lo
+    new_lo = tl.where(found, tl.maximum(lo, key_lo - 1), lo)
+    new_hi = tl.where(found, tl.minimum(hi, key_hi), hi)
+    return tl.minimum(new_lo, new_hi - 1), new_hi
 
 
 @triton.jit
@@ -276,11 +302,13 @@ def _narrow_kernel(
             cnt = tl.load(rows[:, None] + pj[None, :], mask=mask[:, None], other=0.0)
             cnt = tl.sum(cnt.to(tl.int32, bitcast=True), axis=0)                # [P]
             lo_k, hi_k = _narrow(lo_k, hi_k, cnt < k, NUM_PIVOTS)
+            lo_k, hi_k = _to_data(lo_k, hi_k, rows, mask, 2 * NUM_PIVOTS)
         if need_p:
             mass = tl.load(rows[:, None] + NUM_PIVOTS + pj[None, :], mask=mask[:, None],
                            other=0.0)
             z = tl.load(row_f_ptr + b * 2 + 1)
             lo_p, hi_p = _narrow(lo_p, hi_p, tl.sum(mass, axis=0) < top_p * z, NUM_PIVOTS)
+            lo_p, hi_p = _to_data(lo_p, hi_p, rows, mask, 2 * NUM_PIVOTS + 2)
         lo_k, lo_p = _share_lo(lo_k, hi_k, lo_p, hi_p, use_k & use_p)
         tl.store(bracket_ptr + b * 4, lo_k)
         tl.store(bracket_ptr + b * 4 + 1, hi_k)
