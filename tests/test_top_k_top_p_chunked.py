@@ -194,8 +194,11 @@ def test_gpu_chunked_matches_row_kernel_and_replays_in_a_cuda_graph(dtype):
     knobs = (temp, top_k, top_p, min_p)
     row = apply_top_k_top_p_min_p(logits.clone(), idx, *knobs, method="row")
     chunked = apply_top_k_top_p_min_p(logits.clone(), idx, *knobs, method="chunked")
-    # top-p masses are fp32 sums in another order: allow a token at the edge to differ
-    assert ((row > NEG_INF) != (chunked > NEG_INF)).sum(1).max().item() <= 1
+    # top-p masses are fp32 sums in another order: only the tokens tied at one row's edge
+    # (one value; bf16 has many ties) may differ
+    differ = (row > NEG_INF) != (chunked > NEG_INF)                       # [B, V]
+    for i in differ.any(1).nonzero().flatten().tolist():
+        assert logits[i][differ[i]].float().unique().numel() == 1
     k_only = apply_top_k_top_p_min_p(logits.clone(), idx, temp, top_k, torch.ones_like(top_p),
                                      torch.zeros_like(min_p), method="chunked")
     k_row = apply_top_k_top_p_min_p(logits.clone(), idx, temp, top_k, torch.ones_like(top_p),
