@@ -76,6 +76,7 @@ def test_mixed_rows_permuted_idx_mapping():
 @pytest.mark.parametrize("num_rows, vocab, block_v, chunk_v, num_pivots", [
     (1, 100, 32, 64, 16),       # one row, V < 2 chunks, the last chunk half padding
     (6, 257, 128, 256, 4),      # V = a chunk + 1; 4 pivots: 16 rounds
+    (2, 300, 32, 128, 2),       # 2 pivots: bisection, 32 rounds
 ])
 def test_random_rows_equal_reference(num_rows, vocab, block_v, chunk_v, num_pivots):
     g = torch.Generator().manual_seed(vocab)

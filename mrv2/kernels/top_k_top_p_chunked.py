@@ -3,10 +3,11 @@
 The kernels behind ``apply_top_k_top_p_min_p`` on the GPU; the semantics, the passes
 and the launch order are in ``mrv2/kernels/top_k_top_p.py``'s docstring. Scratch
 layout (``TopKTopPWorkspace``): ``bracket [R, 4]`` int64 (lo_k, hi_k, lo_p, hi_p),
-``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, W]`` fp32 per chunk with ``W = max(2P, NB) + 3``
-(``NB = CHUNK_V // BLOCK_V``): P counts (int32 bits) and P masses of a round, written
-over the NB block maxima that ``_init_kernel`` has read; then the chunk's
-``sum(exp(s - m_c))``, its max ``m_c`` and its smallest finite ``s``.
+``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, W]`` fp32 per chunk, ``W = max(2P + 4, NB) + 3``
+(``NB = CHUNK_V // BLOCK_V``): a round's P counts (int32 bits), P masses and the
+smallest / largest key inside each bracket (4 x int32 bits), written over the NB block
+maxima that ``_init_kernel`` has read; then the chunk's ``sum(exp(s - m_c))``, its max
+``m_c`` and its smallest finite ``s``.
 """
 
 from __future__ import annotations
@@ -250,8 +251,9 @@ def _count_kernel(
         pj = tl.arange(0, NUM_PIVOTS)
         tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
         tl.store(out + NUM_PIVOTS + pj, mass)
-        ends = tl.where(pj == 0, min_k, tl.where(pj == 1, max_k, tl.where(pj == 2, min_p, max_p)))
-        tl.store(out + 2 * NUM_PIVOTS + pj, ends.to(tl.float32, bitcast=True), mask=pj < 4)
+        e4 = tl.arange(0, 4)
+        ends = tl.where(e4 == 0, min_k, tl.where(e4 == 1, max_k, tl.where(e4 == 2, min_p, max_p)))
+        tl.store(out + 2 * NUM_PIVOTS + e4, ends.to(tl.float32, bitcast=True))
 
 
 @triton.jit
