@@ -30,8 +30,10 @@ are in ``mrv2/kernels/top_k_top_p_chunked.py``):
    (only ``max(thresh_k, thresh_p)`` is used). For top-k <= the number of blocks, or a
    peaked top-p, that leaves a few dozen tokens inside the bracket.
 3. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
-   ``exp(s - m)`` above each of the round's pivots, then ``_narrow_kernel`` (rows)
-   keeps the pivot interval where each predicate flips.
+   ``exp(s - m)`` above each of the round's pivots, and finds the smallest / largest
+   key inside each bracket; then ``_narrow_kernel`` (rows) keeps the pivot interval
+   where each predicate flips, cut down to those keys (the answer is a key of the row,
+   so a bracket holding one key has converged).
 4. ``_write_kernel`` (rows x chunks): -inf over the removed logits, in place.
 
 So at most NUM_ROUNDS + 2 reads of the logits and 2 * NUM_ROUNDS + 3 launches, fixed
