@@ -76,7 +76,7 @@ from mrv2.platform import TRITON_INTERPRET
 class TopKTopPWorkspace(NamedTuple):
     """Scratch of the chunked search, for up to ``bracket.shape[0]`` rows of one vocab."""
 
-    bracket: torch.Tensor   # [R, 4] int64: lo_k, hi_k, lo_p, hi_p (keys)
+    bracket: torch.Tensor   # [R, 4 + 2P] int64: lo_k, hi_k, lo_p, hi_p, the pivots (keys)
     row_f: torch.Tensor     # [R, 2] float32: m, Z
     part: torch.Tensor      # [R, NC, W] float32: per chunk (see top_k_top_p_chunked.py)
 
@@ -121,7 +121,7 @@ def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
     """
     block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
     return TopKTopPWorkspace(
-        torch.empty(num_rows, 4, dtype=torch.int64, device=device),
+        torch.empty(num_rows, 4 + 2 * num_pivots, dtype=torch.int64, device=device),
         torch.empty(num_rows, 2, dtype=torch.float32, device=device),
         torch.empty(num_rows, num_chunks, _part_width(block_v, chunk_v, num_pivots),
                     dtype=torch.float32, device=device))
@@ -176,6 +176,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                           chunk_v=chunk_v, num_pivots=num_pivots)
     bracket, row_f, part = workspace
     if (bracket.shape[0] < num_rows or row_f.shape[0] < num_rows
+            or bracket.shape[1] != 4 + 2 * num_pivots
             or part.shape[0] < num_rows or tuple(part.shape[1:]) != (num_chunks, width)):
         raise ValueError(f"workspace has part {tuple(part.shape)} for {bracket.shape[0]} rows; "
                          f"this call needs >= {num_rows} rows of ({num_chunks}, {width})")
@@ -191,7 +192,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                         PART_STATS=width - 3, **opts)
     _init_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
                               part.stride(1), NC_POW2=nc_pow2, NB=chunk_v // block_v,
-                              PART_STATS=width - 3, **one)
+                              PART_STATS=width - 3, NUM_PIVOTS=num_pivots, **one)
     for _ in range(num_rounds):
         _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks,
                             logits.stride(0), part.stride(1), CHUNK_V=chunk_v,
@@ -200,7 +201,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                     part.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                     **one)
     _write_kernel[grid](logits, *knobs, bracket, row_f, vocab_size, logits.stride(0),
-                        CHUNK_V=chunk_v, **opts)
+                        CHUNK_V=chunk_v, NUM_PIVOTS=num_pivots, **opts)
     return logits
 
 

@@ -2,7 +2,8 @@
 
 The kernels behind ``apply_top_k_top_p_min_p`` on the GPU; the semantics, the passes
 and the launch order are in ``mrv2/kernels/top_k_top_p.py``'s docstring. Scratch
-layout (``TopKTopPWorkspace``): ``bracket [R, 4]`` int64 (lo_k, hi_k, lo_p, hi_p),
+layout (``TopKTopPWorkspace``): ``bracket [R, 4 + 2P]`` int64 (lo_k, hi_k, lo_p, hi_p,
+then the next round's P pivots for each search),
 ``row_f [R, 2]`` fp32 (m, Z), ``part [R, NC, W]`` fp32 per chunk, ``W = max(2P + 4, NB) + 3``
 (``NB = CHUNK_V // BLOCK_V``): a round's P counts (int32 bits), P masses and the
 smallest / largest key inside each bracket (4 x int32 bits), written over the NB block
@@ -92,6 +93,7 @@ def _init_kernel(
     vocab_size, num_chunks,                                                          # sizes
     part_stride,                                                                     # strides
     NC_POW2: tl.constexpr, NB: tl.constexpr, PART_STATS: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     _temp, k, top_p, _min_p, use_k, use_p, active = _row_knobs(
@@ -123,10 +125,13 @@ def _init_kernel(
         # NOTE: only max(thresh_k, thresh_p) matters, and thresh_k > lo_k: the top-p search
         # may start at lo_k too (a thresh_p below it is never used), and the other way round.
         lo_k, lo_p = _share_lo(lo_k, key_m, lo_p, key_m, use_k & use_p)
-        tl.store(bracket_ptr + b * 4, lo_k)
-        tl.store(bracket_ptr + b * 4 + 1, key_m)
-        tl.store(bracket_ptr + b * 4 + 2, lo_p)
-        tl.store(bracket_ptr + b * 4 + 3, key_m)
+        # Round 0's pivots: a search the maxima did not narrow spans the whole row, so
+        # its pivots go at log-probability gaps below m instead of uniform keys.
+        piv_k = tl.where(lo_k == lo, _gap_pivots(m, lo_k, key_m, NUM_PIVOTS),
+                         _pivots(lo_k, key_m, NUM_PIVOTS))
+        piv_p = tl.where(lo_p == lo, _gap_pivots(m, lo_p, key_m, NUM_PIVOTS),
+                         _pivots(lo_p, key_m, NUM_PIVOTS))
+        _store_bracket(bracket_ptr, b, lo_k, key_m, lo_p, key_m, piv_k, piv_p, NUM_PIVOTS)
         tl.store(row_f_ptr + b * 2, m)
         tl.store(row_f_ptr + b * 2 + 1, z)
 
@@ -141,11 +146,26 @@ def _share_lo(lo_k, hi_k, lo_p, hi_p, both):
 
 
 @triton.jit
-def _load_bracket(bracket_ptr, b, use_k, use_p):
-    lo_k = tl.load(bracket_ptr + b * 4)
-    hi_k = tl.load(bracket_ptr + b * 4 + 1)
-    lo_p = tl.load(bracket_ptr + b * 4 + 2)
-    hi_p = tl.load(bracket_ptr + b * 4 + 3)
+def _store_bracket(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, piv_k, piv_p,
+                   NUM_PIVOTS: tl.constexpr):
+    # A row of the bracket table: lo_k, hi_k, lo_p, hi_p, the next round's P + P pivots.
+    row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS)
+    tl.store(row, lo_k)
+    tl.store(row + 1, hi_k)
+    tl.store(row + 2, lo_p)
+    tl.store(row + 3, hi_p)
+    pj = tl.arange(0, NUM_PIVOTS)
+    tl.store(row + 4 + pj, piv_k.to(tl.int64))
+    tl.store(row + 4 + NUM_PIVOTS + pj, piv_p.to(tl.int64))
+
+
+@triton.jit
+def _load_bracket(bracket_ptr, b, use_k, use_p, NUM_PIVOTS: tl.constexpr):
+    row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS)
+    lo_k = tl.load(row)
+    hi_k = tl.load(row + 1)
+    lo_p = tl.load(row + 2)
+    hi_p = tl.load(row + 3)
     # A converged bracket (hi = lo + 1) needs no more rounds.
     need_k = use_k & (hi_k - lo_k > 1)
     need_p = use_p & (hi_p - lo_p > 1)
@@ -153,10 +173,28 @@ def _load_bracket(bracket_ptr, b, use_k, use_p):
 
 
 @triton.jit
+def _load_pivots(bracket_ptr, b, NUM_PIVOTS: tl.constexpr):
+    # The round's pivots (written by the init / the previous narrow kernel), as int32 keys.
+    # NOTE: computed once and stored, so _count_kernel and _narrow_kernel use the same ones.
+    row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS) + 4
+    pj = tl.arange(0, NUM_PIVOTS)
+    return tl.load(row + pj).to(tl.int32), tl.load(row + NUM_PIVOTS + pj).to(tl.int32)
+
+
+@triton.jit
 def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
-    # NUM_PIVOTS non-decreasing keys in (lo, hi], the last one hi.
+    # NUM_PIVOTS non-decreasing keys in [lo, hi], the last one hi.
     j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)                           # [P]
-    return (lo + ((hi - lo) * j) // NUM_PIVOTS).to(tl.int32)
+    return lo + ((hi - lo) * j) // NUM_PIVOTS
+
+
+@triton.jit
+def _gap_pivots(m, lo, hi, NUM_PIVOTS: tl.constexpr):
+    # The keys of m - gap, gaps from 64 down to 1/4 (geometric), clamped to [lo, hi].
+    j = tl.arange(0, NUM_PIVOTS).to(tl.float32)
+    gap = 0.25 * tl.exp2((NUM_PIVOTS - 1 - j) * (8.0 / (NUM_PIVOTS - 1)))     # [P]
+    piv = _key(m - gap).to(tl.int64)
+    return tl.minimum(tl.maximum(piv, lo), hi)
 
 
 @triton.jit
@@ -224,13 +262,13 @@ def _count_kernel(
     c = tl.program_id(1)
     temp, _k, _top_p, _min_p, use_k, use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
-    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
+    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p,
+                                                           NUM_PIVOTS)
     # A program runs only while one of its row's brackets is open.
     if active & (need_k | need_p):
         m = tl.load(row_f_ptr + b * 2)
         row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
-        piv_k = _pivots(lo_k, hi_k, NUM_PIVOTS)                                # [P]
-        piv_p = _pivots(lo_p, hi_p, NUM_PIVOTS)                                # [P]
+        piv_k, piv_p = _load_pivots(bracket_ptr, b, NUM_PIVOTS)                # [P], [P]
         lo_k32, hi_k32 = lo_k.to(tl.int32), hi_k.to(tl.int32)
         lo_p32, hi_p32 = lo_p.to(tl.int32), hi_p.to(tl.int32)
         # Count / sum only the searches still open.
@@ -257,10 +295,10 @@ def _count_kernel(
 
 
 @triton.jit
-def _narrow(lo, hi, found, NUM_PIVOTS: tl.constexpr):
+def _narrow(lo, hi, piv, found):
     # Predicates are monotone along the (non-decreasing) pivots: the first pivot that
     # holds is the new hi, the last that fails the new lo.
-    piv = _pivots(lo, hi, NUM_PIVOTS).to(tl.int64)                           # [P]
+    piv = piv.to(tl.int64)                                                     # [P]
     new_hi = tl.min(tl.where(found, piv, hi), axis=0)
     new_lo = tl.max(tl.where(found, lo, piv), axis=0)
     return new_lo, new_hi
@@ -292,7 +330,8 @@ def _narrow_kernel(
     b = tl.program_id(0)
     _temp, k, top_p, _min_p, use_k, use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
-    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p)
+    lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p,
+                                                           NUM_PIVOTS)
     # NOTE: the same condition as _count_kernel's: it read the same bracket.
     if active & (need_k | need_p):
         # Reduce the chunks' partials [NC, P] over the chunks.
@@ -300,22 +339,21 @@ def _narrow_kernel(
         pj = tl.arange(0, NUM_PIVOTS)
         rows = part_ptr + (b * num_chunks + ci).to(tl.int64) * part_stride        # [NC]
         mask = ci < num_chunks
+        piv_k, piv_p = _load_pivots(bracket_ptr, b, NUM_PIVOTS)                # [P], [P]
         if need_k:
             cnt = tl.load(rows[:, None] + pj[None, :], mask=mask[:, None], other=0.0)
             cnt = tl.sum(cnt.to(tl.int32, bitcast=True), axis=0)                # [P]
-            lo_k, hi_k = _narrow(lo_k, hi_k, cnt < k, NUM_PIVOTS)
+            lo_k, hi_k = _narrow(lo_k, hi_k, piv_k, cnt < k)
             lo_k, hi_k = _to_data(lo_k, hi_k, rows, mask, 2 * NUM_PIVOTS)
         if need_p:
             mass = tl.load(rows[:, None] + NUM_PIVOTS + pj[None, :], mask=mask[:, None],
                            other=0.0)
             z = tl.load(row_f_ptr + b * 2 + 1)
-            lo_p, hi_p = _narrow(lo_p, hi_p, tl.sum(mass, axis=0) < top_p * z, NUM_PIVOTS)
+            lo_p, hi_p = _narrow(lo_p, hi_p, piv_p, tl.sum(mass, axis=0) < top_p * z)
             lo_p, hi_p = _to_data(lo_p, hi_p, rows, mask, 2 * NUM_PIVOTS + 2)
         lo_k, lo_p = _share_lo(lo_k, hi_k, lo_p, hi_p, use_k & use_p)
-        tl.store(bracket_ptr + b * 4, lo_k)
-        tl.store(bracket_ptr + b * 4 + 1, hi_k)
-        tl.store(bracket_ptr + b * 4 + 2, lo_p)
-        tl.store(bracket_ptr + b * 4 + 3, hi_p)
+        _store_bracket(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, _pivots(lo_k, hi_k, NUM_PIVOTS),
+                       _pivots(lo_p, hi_p, NUM_PIVOTS), NUM_PIVOTS)
 
 
 @triton.jit
@@ -325,7 +363,7 @@ def _write_kernel(
     # (outputs: logits_ptr, in place)
     vocab_size,                                                                      # sizes
     logits_stride,                                                                   # strides
-    CHUNK_V: tl.constexpr,
+    CHUNK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -333,8 +371,8 @@ def _write_kernel(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     if active:
         # One threshold (the larger of the active ones); the top token stays.
-        hi_k = tl.load(bracket_ptr + b * 4 + 1)
-        hi_p = tl.load(bracket_ptr + b * 4 + 3)
+        hi_k = tl.load(bracket_ptr + b * (4 + 2 * NUM_PIVOTS) + 1)
+        hi_p = tl.load(bracket_ptr + b * (4 + 2 * NUM_PIVOTS) + 3)
         m = tl.load(row_f_ptr + b * 2)
         z = tl.load(row_f_ptr + b * 2 + 1)
         thresh = tl.where(use_k, hi_k, _INT32_MIN)
