@@ -28,7 +28,9 @@ are in ``mrv2/kernels/top_k_top_p_chunked.py``):
    maxima: if k of them (or ``top_p * Z`` of their mass) lie above ``t``, the row's
    predicate fails at ``t``. With both filters on, both searches start at the larger lo
    (only ``max(thresh_k, thresh_p)`` is used). For top-k <= the number of blocks, or a
-   peaked top-p, that leaves a few dozen tokens inside the bracket.
+   peaked top-p, that leaves a few dozen tokens inside the bracket. A search the maxima
+   did not narrow gets round 0's pivots at log-probability gaps below ``m`` (64 down to
+   1/4 nats) instead of uniform keys. Every round's pivots are stored beside the bracket.
 3. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
    ``exp(s - m)`` above each of the round's pivots, and finds the smallest / largest
    key inside each bracket; then ``_narrow_kernel`` (rows) keeps the pivot interval
