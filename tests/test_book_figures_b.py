@@ -12,8 +12,10 @@ from mrv2.bench.book_figures_b import (
     newest_result,
     plot_decode_step_times_b,
     plot_kernels_per_step,
+    plot_spec_tpot,
     provenance,
     results_dir,
+    spec_tpot_ratios,
 )
 
 matplotlib.use("Agg")
@@ -111,3 +113,15 @@ def test_the_committed_results_have_the_book_figures():
         path, res = newest_result(kind, folder=results_dir())
         assert path is not None, kind
         assert provenance(res).startswith("NVIDIA H200")
+
+
+def test_spec_tpot_ratios_divide_by_the_plain_runner_of_the_same_batch():
+    res = {"config": {"num_speculative_tokens": 3}, "runners": {
+        "v2": {"batches": [{"batch_size": 1, "tpot_ms": 2.0}, {"batch_size": 8, "tpot_ms": 4.0}]},
+        "v2-ngram": {"batches": [{"batch_size": 1, "tpot_ms": 1.0,
+                                  "spec_decode": {"mean_accepted_length": 3.5}},
+                                 {"batch_size": 8, "tpot_ms": 3.0}]},
+        "v2-ngram-sync": {"batches": [{"batch_size": 1, "tpot_ms": 1.5}]}}}
+    assert spec_tpot_ratios(res) == {"ngram": {1: (0.5, 3.5), 8: (0.75, None)}}
+    ax = plot_spec_tpot([res])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["n-gram\nK=3\nb1", "n-gram\nK=3\nb8"]

@@ -211,3 +211,62 @@ def plot_kernels_per_step(res: dict, batch: int = 1, ax=None):
     ax.set_title(f"{provenance(res)}: {counts['total']:.0f} kernels per decode step at batch "
                  f"{batch} ({counts['per_layer']} per layer x {counts['num_layers']})", fontsize=9)
     return ax
+
+
+def spec_tpot_ratios(res: dict) -> dict[str, dict[int, tuple[float, float | None]]]:
+    """TPOT with speculation / without, per method and batch, of a spec latency result.
+
+    Args:
+        res: a ``bench latency --speculative ...`` results dict (runners ``v2`` and
+            ``v2-<method>``; ``-sync`` variants left out).
+
+    Returns:
+        ``{method: {batch: (tpot ratio, mean accepted length or None)}}``.
+    """
+    runners = res.get("runners") or {}
+    base = {row["batch_size"]: row["tpot_ms"] for row in runners.get("v2", {}).get("batches", [])}
+    out: dict[str, dict[int, tuple[float, float | None]]] = {}
+    for name, r in runners.items():
+        if not name.startswith("v2-") or name.endswith("-sync"):
+            continue
+        for row in r.get("batches", []):
+            b = row["batch_size"]
+            if b in base and base[b] > 0:
+                acc = (row.get("spec_decode") or {}).get("mean_accepted_length")
+                out.setdefault(name[3:], {})[b] = (row["tpot_ms"] / base[b], acc)
+    return out
+
+
+def plot_spec_tpot(results: list[dict], ax=None):
+    """Bars of TPOT with / without speculation, per method and batch, one group per result.
+
+    Args:
+        results: spec latency results dicts (e.g. the newest per K), each labelled with its
+            K, hardware, date and commit.
+        ax: a matplotlib axis (default: a new figure).
+
+    Returns:
+        The axis.
+    """
+    ax = _axis(ax, (7.5, 3.8))
+    colors = {"ngram": "tab:blue", "draft_model": "tab:orange", "eagle": "tab:green"}
+    short = {"ngram": "n-gram", "draft_model": "draft", "eagle": "EAGLE"}
+    x, ticks, labels, top = 0.0, [], [], 1.0
+    for res in results:
+        k = (res.get("config") or {}).get("num_speculative_tokens", "?")
+        for method, rows in spec_tpot_ratios(res).items():
+            for b, (ratio, acc) in sorted(rows.items()):
+                bar = ax.bar(x, ratio, 0.8, color=colors.get(method, "tab:gray"))
+                ax.bar_label(bar, labels=[f"{ratio:.2f}" + (f"\nlen {acc:.1f}" if acc else "")],
+                             fontsize=7)
+                ticks.append(x)
+                labels.append(f"{short.get(method, method)}\nK={k}\nb{b}")
+                top = max(top, ratio)
+                x += 1
+        x += 0.6
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylim(0, top * 1.2)
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_ylabel("TPOT with / without speculation")
+    ax.set_title(" | ".join(sorted({provenance(r) for r in results})), fontsize=9)
+    return ax
