@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -273,6 +274,9 @@ def measure_acceptance(draft: Path, target: Path, ks=(3, 5), max_tokens: int = 3
     Returns:
         ``{"k<K>": SpecDecodeStats.as_dict() + {"steps", "same_tokens"}}`` and the setup.
     """
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:  # `python scripts/...` without an installed mrv2
+        sys.path.append(repo)
     from mrv2 import LLM, SamplingParams
     from mrv2.bench.workloads import EMBEDDED_LOOP
 
