@@ -14,7 +14,10 @@ With ``--teacher PATH`` (a draft: ``--preset draft``) the model is distilled fro
 model instead (``scripts/distill_draft.py``): KL to the teacher's distribution, optionally
 mixed with the data's next-token loss and trained partly on the teacher's own continuations;
 the weights kept are those of the best top-1 agreement with the teacher on the validation
-split, and (not with ``--smoke``) mrv2 measures the draft's acceptance for the card.
+split, and (not with ``--smoke``) mrv2 measures the draft's acceptance for the card:
+
+    python scripts/train_tiny_qwen3.py --preset draft --teacher mrv2/assets/tiny-qwen3-shakespeare \\
+        --teacher-generated 0.5 --out mrv2/assets/tiny-qwen3-shakespeare-draft   # GPU
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def parse_args(argv=None):
         p.error(f"--distill-alpha must be in [0, 1]; got {args.distill_alpha}")
     if not 0.0 <= args.teacher_generated <= 1.0:
         p.error(f"--teacher-generated must be in [0, 1]; got {args.teacher_generated}")
+    if not args.teacher and (args.teacher_generated or args.distill_alpha != 1.0):
+        p.error("--distill-alpha and --teacher-generated need --teacher")
     if args.teacher and args.tokenizer is None:
         args.tokenizer = args.teacher
     if args.smoke:
