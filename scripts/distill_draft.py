@@ -230,7 +230,10 @@ def purpose(args) -> str:
             "tokenizer. mrv2 ships it as that model's **draft model for speculative decoding**\n"
             "(`speculative_config={\"method\": \"draft_model\", ...}`): trained on the\n"
             "target's own distribution, so that its argmax agrees with the target's and more\n"
-            "drafts are accepted. It is a toy, not a useful language model.")
+            "drafts are accepted. It is a toy, not a useful language model."
+            + (f"\nThe run starts from the weights of `{Path(args.init).name}` (`--init`): a\n"
+               "fine-tuning of that draft, not a model trained from scratch."
+               if getattr(args, "init", None) else ""))
 
 
 def card_section(args, s: dict) -> str:

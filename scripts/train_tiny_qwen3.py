@@ -70,6 +70,9 @@ def parse_args(argv=None):
                    help="reuse this tokenizer folder instead of training one (a draft model "
                         "must share its target's vocabulary)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--init", default=None, metavar="PATH",
+                   help="start from this checkpoint's weights (same architecture as the "
+                        "preset) instead of random ones: fine-tuning")
     d = p.add_argument_group("distillation (scripts/distill_draft.py)")
     d.add_argument("--teacher", default=None,
                    help="distil from this frozen model's distribution (it must share the "
@@ -231,6 +234,8 @@ def train(args, device, command) -> dict:
                          eos_token_id=eos_id, pad_token_id=eos_id,
                          **(SMOKE if args.smoke else DRAFT if args.preset == "draft" else FULL))
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+    if args.init:
+        init_from(model, args.init)
     add_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())  # the tied embedding counts once
     print(f"model: Qwen3ForCausalLM, {n_params:,} parameters, device {device}", flush=True)
@@ -375,6 +380,25 @@ def train(args, device, command) -> dict:
     print(f"wrote {out}: model.safetensors {weights / 1e6:.2f} MB, folder {size / 1e6:.2f} MB, "
           f"{n_params:,} params, total {stats['total_seconds']:.0f}s", flush=True)
     return stats
+
+
+def init_from(model, path: str) -> None:
+    """Load ``path``'s weights into ``model`` (``--init``); a clear error when they differ.
+
+    Raises:
+        ValueError: no checkpoint there, or one of another shape.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--init {path!r}: no config.json there")
+    src = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs, ours = src.state_dict(), model.state_dict()
+    bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    if bad:
+        raise ValueError(f"--init {path!r} does not fit the --preset's architecture "
+                         f"(first mismatch: {bad[0]})")
+    model.load_state_dict({k: theirs[k].to(ours[k].device) for k in ours})
 
 
 def _purpose(args) -> str:

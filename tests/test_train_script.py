@@ -151,3 +151,33 @@ def test_train_script_teacher_errors(tmp_path):
     (tmp_path / "training_log.json").write_text(json.dumps({"args": {"teacher": None}}))
     with pytest.raises(ValueError, match="--card-only needs a --teacher run"):
         mod.main(["--card-only", "--out", str(tmp_path)])
+
+
+def test_train_script_init_fine_tunes_from_a_checkpoint(tmp_path):
+    """--init starts from a checkpoint's weights (step 0 equals it), and refuses one of
+    another architecture or a folder without a model, before any training."""
+    import pytest
+    from transformers import Qwen3ForCausalLM
+
+    mod = load_script()
+    data = data_file(tmp_path)
+    first = tmp_path / "first"
+    base = ["--smoke", "--device", "cpu", "--data", str(data)]
+    mod.main(base + ["--out", str(first)])
+    args = mod.parse_args(base + ["--out", str(tmp_path / "x")])
+    src = Qwen3ForCausalLM.from_pretrained(first, dtype=torch.float32)
+    fresh = Qwen3ForCausalLM._from_config(src.config)
+    mod.init_from(fresh, str(first))
+    for (name, a), b in zip(fresh.state_dict().items(), src.state_dict().values()):
+        assert torch.equal(a, b), name
+    second = tmp_path / "second"
+    stats = mod.main(base + ["--out", str(second), "--tokenizer", str(first),
+                             "--init", str(first)])
+    assert stats["params"] == sum(p.numel() for p in src.parameters())
+    assert json.loads((second / "training_log.json").read_text())["args"]["init"] == str(first)
+    with pytest.raises(ValueError, match="--init .*does not fit"):
+        mod.main(base + ["--out", str(tmp_path / "y"), "--tokenizer", str(first),
+                         "--init", str(TARGET)])
+    with pytest.raises(ValueError, match="--init .*no config.json"):
+        mod.main(base + ["--out", str(tmp_path / "z"), "--tokenizer", str(first),
+                         "--init", str(tmp_path / "missing")])
