@@ -222,6 +222,25 @@ def mixed_batch(train_ids, pool, batch_size: int, seq_len: int, fraction: float)
     return w[:, :-1], w[:, 1:]
 
 
+def init_from(model, path: str) -> None:
+    """Load ``path``'s weights into ``model`` (``--init``); a clear error when they differ.
+
+    Raises:
+        ValueError: no checkpoint there, or one of another shape.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--init {path!r}: no config.json there")
+    src = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs, ours = src.state_dict(), model.state_dict()
+    bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    if bad:
+        raise ValueError(f"--init {path!r} does not fit the --preset's architecture "
+                         f"(first mismatch: {bad[0]})")
+    model.load_state_dict({k: theirs[k].to(ours[k].device) for k in ours})
+
+
 def purpose(args) -> str:
     """The card's opening paragraph for a distilled draft."""
     return ("A smaller tiny Qwen3 (`Qwen3ForCausalLM`) **distilled** by mrv2's own script,\n"

@@ -27,6 +27,7 @@ import copy
 import datetime
 import json
 import math
+import os
 import platform
 import shlex
 import sys
@@ -36,6 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# NOTE: transformers imports triton; mrv2 (the card's acceptance run) needs it in interpreter
+# mode on a machine without CUDA, so say so before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 REPO = Path(__file__).resolve().parents[1]
 EOS = "<|endoftext|>"
 PROMPTS = ("ROMEO:", "First Citizen:")
@@ -235,7 +240,7 @@ def train(args, device, command) -> dict:
                          **(SMOKE if args.smoke else DRAFT if args.preset == "draft" else FULL))
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     if args.init:
-        init_from(model, args.init)
+        _distill().init_from(model, args.init)
     add_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())  # the tied embedding counts once
     print(f"model: Qwen3ForCausalLM, {n_params:,} parameters, device {device}", flush=True)
@@ -380,25 +385,6 @@ def train(args, device, command) -> dict:
     print(f"wrote {out}: model.safetensors {weights / 1e6:.2f} MB, folder {size / 1e6:.2f} MB, "
           f"{n_params:,} params, total {stats['total_seconds']:.0f}s", flush=True)
     return stats
-
-
-def init_from(model, path: str) -> None:
-    """Load ``path``'s weights into ``model`` (``--init``); a clear error when they differ.
-
-    Raises:
-        ValueError: no checkpoint there, or one of another shape.
-    """
-    from transformers import Qwen3ForCausalLM
-
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"--init {path!r}: no config.json there")
-    src = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
-    theirs, ours = src.state_dict(), model.state_dict()
-    bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
-    if bad:
-        raise ValueError(f"--init {path!r} does not fit the --preset's architecture "
-                         f"(first mismatch: {bad[0]})")
-    model.load_state_dict({k: theirs[k].to(ours[k].device) for k in ours})
 
 
 def _purpose(args) -> str:
