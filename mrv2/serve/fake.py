@@ -126,9 +126,10 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--step-ms", type=float, default=10.0)
     p.add_argument("--cpu-ms", type=float, default=3.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--engine-process", choices=("on", "off"), default="on")
     a = p.parse_args(argv)
-    kw = {"step_ms": a.step_ms, "cpu_ms": a.cpu_ms}
+    kw = {"step_ms": a.step_ms, "cpu_ms": a.cpu_ms, "max_num_seqs": a.max_num_seqs}
     from mrv2.serve.fake import FakeLLM as factory  # NOTE: not __main__.FakeLLM (pickled)
 
     engine = (AsyncLLM(engine_process=True, llm_kwargs=kw, factory=factory)
