@@ -10,6 +10,11 @@ client: TTFT (send -> first chunk with a choice), ITL (gaps between those chunks
 may carry several tokens when the server coalesces), TPOT ((e2e - TTFT) / (tokens - 1)),
 e2e; per rate: p50 / p90 / p99 and output tokens/s over the wall time of the rate.
 
+The client is a few lines of asyncio HTTP/1.1 (not httpx, ~150 us of CPU per chunk) spread
+over ``--client-procs`` processes: at saturation a server streams tens of thousands of
+chunks per second, and a single client process would be the bound being measured
+(``scripts/bench_serve_api.py`` measures both sides against a fast fake engine).
+
 ``--launch MODEL`` starts ``python -m mrv2 serve MODEL`` itself (``qwen3-0.6b-dummy``:
 the Qwen3-0.6B config of ``$MRV2_SHARED_DATA/qwen3-tokenizer`` with dummy weights, what
 ``bench throughput`` uses on a GPU), waits for ``/health``, sweeps the rates, writes the

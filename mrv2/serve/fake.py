@@ -9,6 +9,9 @@ work) plus a sleep to ``step_ms`` (the GPU). Serve it with
     python -m mrv2.serve.fake --port 8000 --step-ms 10 --cpu-ms 3 --engine-process on
     python -m mrv2 bench serve --base-url http://127.0.0.1:8000 --workload standard \\
         --request-rate inf --max-concurrency 256
+
+``scripts/bench_serve_api.py`` does this with ``--cpu-ms 0`` and a short step, so the API
+process is the bound, and reports its chunks/s, tokens/s and CPU per chunk.
 """
 
 from __future__ import annotations
