@@ -255,6 +255,34 @@ def test_n_seed_logprobs_and_token_prompts(served):
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_a_stream_behind_the_engine_gets_fewer_chunks_carrying_every_token(served):
+    """Coalescing: steps that queued while the server's event loop was busy leave as one
+    chunk; its text and logprobs (one entry per token) add up to the non-streamed answer."""
+    client, engine = served["client"], served["engine"]
+    kw = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 12, "logprobs": 2,
+          "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kw)
+    chunks = iter(client.completions.create(**kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    got = [next(chunks)]
+    (loop, _), = engine._streams.values()  # the server's event loop (the stream is open)
+    loop.call_soon_threadsafe(time.sleep, 1.5)  # it falls behind; the engine thread steps on
+    got += list(chunks)
+    content = [c.choices[0] for c in got if c.choices]
+    per_chunk = [len(c.logprobs.tokens) for c in content]
+    assert sum(per_chunk) == got[-1].usage.completion_tokens == 12
+    assert len(content) < 12 and max(per_chunk) >= 2  # some chunk carries several tokens
+    ref = full.choices[0]
+    assert "".join(c.text for c in content) == ref.text
+    lps = {k: [x for c in content for x in getattr(c.logprobs, k)]
+           for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert lps["tokens"] == ref.logprobs.tokens and lps["text_offset"] == ref.logprobs.text_offset
+    assert lps["token_logprobs"] == pytest.approx(ref.logprobs.token_logprobs, abs=1e-5)
+    assert [list(t) for t in lps["top_logprobs"]] == [list(t) for t in ref.logprobs.top_logprobs]
+    assert content[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in content[:-1])
+
+
 def test_a_list_of_prompts_gives_choices_in_prompt_order(served):
     client, ref = served["client"], served["refs"]
     kw = {"model": MODEL, "prompt": [PROMPT, LONG_PROMPT], "max_tokens": 3, "temperature": 0,
@@ -403,13 +431,14 @@ def test_bench_serve_summary_of_known_records():
     assert s["output_tok_s"] == pytest.approx(0.6) and s["total_tok_s"] == pytest.approx(2.6)
 
 
-def test_bench_serve_streams_a_rate_against_the_server(served):
+@pytest.mark.parametrize("procs", [1, 2])
+def test_bench_serve_streams_a_rate_against_the_server(served, procs):
     from mrv2.bench.serve import run_rate
 
     ids = served["llm"].tokenizer.encode(PROMPT)
     root = served["base"].removesuffix("/v1")
     row = asyncio.run(run_rate(root, MODEL, [ids] * 3, [3, 3, 3], rate=50.0,
-                               max_concurrency=2))
+                               max_concurrency=2, client_procs=procs))
     assert (row["completed"], row["failed"], row["output_tokens"]) == (3, 0, 9)
     assert row["ttft_ms"]["p50"] > 0 and row["tpot_ms"]["p50"] > 0
 

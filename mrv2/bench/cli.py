@@ -137,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--request-rate", default="inf",
                    help="comma list of requests/s (Poisson arrivals; inf: all at once)")
     s.add_argument("--max-concurrency", type=int, default=256, help="most requests in flight")
+    s.add_argument("--client-procs", type=int, default=4,
+                   help="client processes sharing the requests (so the client is not the bound)")
     s.add_argument("--warmup-prompts", type=int, default=16,
                    help="requests (16 tokens each) sent once before the timed rates")
     s.add_argument("--launch", default=None, metavar="MODEL",

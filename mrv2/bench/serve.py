@@ -10,6 +10,11 @@ client: TTFT (send -> first chunk with a choice), ITL (gaps between those chunks
 may carry several tokens when the server coalesces), TPOT ((e2e - TTFT) / (tokens - 1)),
 e2e; per rate: p50 / p90 / p99 and output tokens/s over the wall time of the rate.
 
+The client is a few lines of asyncio HTTP/1.1 (not httpx, ~150 us of CPU per chunk) spread
+over ``--client-procs`` processes: at saturation a server streams tens of thousands of
+chunks per second, and a single client process would be the bound being measured
+(``scripts/bench_serve_api.py`` measures both sides against a fast fake engine).
+
 ``--launch MODEL`` starts ``python -m mrv2 serve MODEL`` itself (``qwen3-0.6b-dummy``:
 the Qwen3-0.6B config of ``$MRV2_SHARED_DATA/qwen3-tokenizer`` with dummy weights, what
 ``bench throughput`` uses on a GPU), waits for ``/health``, sweeps the rates, writes the
@@ -53,28 +58,59 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in ps}}
 
 
-async def _one(client, url: str, payload: dict) -> dict:
+async def _http_stream(host: str, port: int, path: str, body: bytes):
+    """POST ``body`` (JSON) over a fresh HTTP/1.1 connection; ``(status, async iterator of the
+    response body's pieces)``.
+
+    NOTE: a few lines of asyncio, not httpx: httpx (h11 underneath) costs ~150 us of CPU per
+    streamed chunk, more than the server's own ~90 us (scripts/bench_serve_api.py); at tens of
+    thousands of chunks per second a client like that is the bound being measured.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                 % (path.encode(), host.encode(), len(body)) + body)
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+    status = int(head.split(None, 2)[1])
+
+    async def pieces():
+        try:
+            if "transfer-encoding: chunked" not in head:
+                yield await reader.read()
+                return
+            while True:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                yield (await reader.readexactly(size + 2))[:-2]
+        finally:
+            writer.close()
+
+    return status, pieces()
+
+
+async def _one(target: tuple[str, int, str], payload: dict) -> dict:
     """One streaming request: its send time, content-chunk times, tokens, error."""
     rec = {"start": time.perf_counter(), "chunks": [], "tokens": 0, "error": None}
     try:
-        async with client.stream("POST", url, json=payload) as resp:
-            if resp.status_code != 200:
-                rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+        status, pieces = await _http_stream(*target, json.dumps(payload).encode())
+        if status != 200:
+            rec["error"] = f"HTTP {status}: {b''.join([p async for p in pieces])[:200]!r}"
+            return rec
+        buf = b""
+        async for piece in pieces:
+            *events, buf = (buf + piece).split(b"\n\n")
+            now = time.perf_counter()
+            for ev in events:
+                if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                # NOTE: parse JSON only for the usage / error chunks: at tens of thousands of
-                # chunks per second, one client process must not become the bottleneck. A
-                # chunk with a choice carries tokens (its text may be empty: a partial UTF-8
-                # character, or a dummy model's id outside the tokenizer).
-                if '"choices": [{' in data:
-                    rec["chunks"].append(time.perf_counter())
-                elif '"usage": {' in data or '"error"' in data:
-                    chunk = json.loads(data)
+                # NOTE: parse JSON only for the usage / error chunks. A chunk with a choice
+                # carries tokens (its text may be empty: a partial UTF-8 character, or a
+                # dummy model's id outside the tokenizer).
+                if b'"choices": [{' in ev or b'"choices":[{' in ev:
+                    rec["chunks"].append(now)
+                elif b'"usage"' in ev or b'"error"' in ev:
+                    chunk = json.loads(ev[6:])
                     if "error" in chunk:
                         rec["error"] = chunk["error"].get("message")
                         break
@@ -85,40 +121,79 @@ async def _one(client, url: str, payload: dict) -> dict:
     return rec
 
 
+def _target(base_url: str) -> tuple[str, int, str]:
+    url = urllib.parse.urlparse(base_url.rstrip("/") + "/v1/completions")
+    if url.scheme != "http":
+        raise ValueError(f"--base-url: only http:// servers, got {base_url!r}")
+    return url.hostname or "127.0.0.1", url.port or 80, url.path
+
+
+async def _send_all(target, jobs: list, t0: float, max_concurrency: int) -> list[dict]:
+    """``jobs`` of ``(send offset s, payload)``: each sent at ``t0 + offset`` (perf_counter
+    time) once fewer than ``max_concurrency`` of them are in flight; their records."""
+    sem = asyncio.Semaphore(max_concurrency)
+
+    async def limited(payload):
+        async with sem:
+            return await _one(target, payload)
+
+    tasks = []
+    for offset, payload in jobs:
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        tasks.append(asyncio.create_task(limited(payload)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _client_proc(target, jobs, max_concurrency, barrier, out) -> None:
+    barrier.wait()  # NOTE: every process is up: the rate's clock starts now, in all of them
+    out.put(asyncio.run(_send_all(target, jobs, time.perf_counter(), max_concurrency)))
+
+
 async def run_rate(base_url: str, model: str, prompts, output_lens, rate: float,
-                   max_concurrency: int, seed: int = 0, temperature: float = 0.6) -> dict:
+                   max_concurrency: int, seed: int = 0, temperature: float = 0.6,
+                   client_procs: int = 1) -> dict:
     """Send every prompt at ``rate`` requests/s (Poisson), at most ``max_concurrency`` at once.
+
+    Args:
+        client_procs: client processes (requests dealt round-robin, each process a
+            ``max_concurrency / client_procs`` share); 1: this event loop.
 
     Returns:
         The figures of this rate (see the module docstring).
     """
-    import httpx
-
-    url = base_url.rstrip("/") + "/v1/completions"
+    target = _target(base_url)
     gaps = np.random.RandomState(seed).exponential(1.0 / rate, len(prompts)) \
         if math.isfinite(rate) else np.zeros(len(prompts))
-    sem = asyncio.Semaphore(max_concurrency)
-    limits = httpx.Limits(max_connections=max_concurrency + 8,
-                          max_keepalive_connections=max_concurrency + 8)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        async def limited(payload):
-            async with sem:
-                return await _one(client, url, payload)
-
-        tasks = []
+    offsets = np.cumsum(gaps)
+    jobs = [(float(off), {"model": model, "prompt": list(map(int, prompt)), "max_tokens": int(n),
+                          "stream": True, "temperature": temperature, "ignore_eos": True,
+                          # NOTE: set, or the server applies generation_config.json's
+                          # top-k 20 / top-p 0.95 (Qwen3): the offline runs sample without.
+                          "top_p": 1.0, "top_k": 0, "stream_options": {"include_usage": True}})
+            for prompt, n, off in zip(prompts, output_lens, offsets)]
+    procs = max(1, min(client_procs, len(jobs)))
+    if procs == 1:
         start = time.perf_counter()
-        for prompt, n, gap in zip(prompts, output_lens, gaps):
-            await asyncio.sleep(gap)
-            payload = {"model": model, "prompt": prompt, "max_tokens": int(n), "stream": True,
-                       "temperature": temperature, "ignore_eos": True,
-                       # NOTE: set, or the server applies generation_config.json's top-k 20 /
-                       # top-p 0.95 (Qwen3): the offline benchmarks sample without them.
-                       "top_p": 1.0, "top_k": 0,
-                       "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(limited(payload)))
-        recs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        recs = await _send_all(target, jobs, start, max_concurrency)
+    else:
+        import multiprocessing
+
+        # NOTE: perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process.
+        ctx = multiprocessing.get_context("spawn")
+        out, barrier = ctx.Queue(), ctx.Barrier(procs + 1)
+        share = max(1, math.ceil(max_concurrency / procs))
+        ps = [ctx.Process(target=_client_proc, daemon=True,
+                          args=(target, jobs[i::procs], share, barrier, out))
+              for i in range(procs)]
+        for p in ps:
+            p.start()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, barrier.wait, 300)
+        start = time.perf_counter()
+        recs = [r for _ in ps for r in await loop.run_in_executor(None, out.get)]
+        for p in ps:
+            p.join()
+    duration = max(r["end"] for r in recs) - start
     return summarize(recs, duration, rate, max_concurrency, sum(len(p) for p in prompts))
 
 
@@ -207,14 +282,15 @@ def run_serve_bench(args) -> int:
                            input_len=args.input_len, output_len=args.output_len,
                            tiny=args.tiny)
         temperature = 0.6 if args.temperature is None else args.temperature
+        procs = args.client_procs
         asyncio.run(run_rate(args.base_url, info["id"], wl.prompts[:args.warmup_prompts],
                              [min(n, 16) for n in wl.output_lens[:args.warmup_prompts]],
-                             math.inf, args.max_concurrency, args.seed, temperature))
+                             math.inf, args.max_concurrency, args.seed, temperature, procs))
         rows = []
         for rate in rates:
             rows.append(asyncio.run(run_rate(args.base_url, info["id"], wl.prompts,
                                              wl.output_lens, rate, args.max_concurrency,
-                                             args.seed, temperature)))
+                                             args.seed, temperature, procs)))
             print(_row(rows[-1]), flush=True)
     finally:
         if proc is not None:
@@ -224,6 +300,7 @@ def run_serve_bench(args) -> int:
                                                                        for r in rows],
                           "max_concurrency": args.max_concurrency, "seed": args.seed,
                           "warmup_prompts": args.warmup_prompts, "temperature": temperature,
+                          "client_procs": args.client_procs,
                           "launch": cmd},
                "server": info, "workload": wl.summary(), "rates": rows}
     out = args.out or default_out_path("serve", wl.name, args.tiny)

@@ -235,8 +235,9 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
         base, streams = await submit(prompts, body)
         done: set[int] = set()  # prompts whose request finished
 
-        def abort_unfinished():
+        async def abort_unfinished():
             # NOTE: a stream cancelled before it ever started has no finally of its own.
+            # Async: Starlette runs a plain function in its thread pool, one hop a request.
             for i in range(len(streams)):
                 if i not in done:
                     engine.abort_nowait(f"{base}-{i}")
@@ -258,7 +259,7 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
                 for comp in out.outputs:
                     choices.add(i * n + comp.index, comp)
         finally:
-            abort_unfinished()
+            await abort_unfinished()
         result = []
         for idx in sorted(choices.text):
             reason, stop_reason = choices.finish.get(idx, (None, None))
@@ -306,11 +307,16 @@ def _usage(prompt_tokens: dict, choices: _Choices) -> dict:
 
 
 async def _sse(head, merged, choices: _Choices, n: int, chat: bool, prompt_tokens, body):
-    """The server-sent events of one streamed response, ``data: [DONE]`` last."""
-    def event(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+    """The server-sent events of one streamed response (bytes), ``data: [DONE]`` last.
 
-    usage_null = {"usage": None} if body.include_usage else {}
+    NOTE: the chunk's fixed part (id, object, created, model; ``usage: null``) is encoded
+    once: per chunk only its choice goes through ``json.dumps`` (the same bytes as dumping
+    the whole chunk). A chunk carries every token that arrived since the previous one
+    (``AsyncLLM`` coalesces a behind stream's steps), its logprobs one entry per token.
+    """
+    dumps = json.dumps
+    pre = ("data: " + dumps({**head, "choices": []})[:-2]).encode()  # up to "[" of choices
+    post = (', "usage": null}\n\n' if body.include_usage else "}\n\n").encode()
     started = set()
     try:
         async for i, out in merged:
@@ -328,11 +334,12 @@ async def _sse(head, merged, choices: _Choices, n: int, chat: bool, prompt_token
                 else:
                     c = {"index": idx, "text": comp.text}
                 started.add(idx)
-                c.update(logprobs=lp, finish_reason=comp.finish_reason,
-                         stop_reason=comp.stop_reason)
-                yield event({**head, "choices": [c], **usage_null})
+                c["logprobs"], c["finish_reason"], c["stop_reason"] = (
+                    lp, comp.finish_reason, comp.stop_reason)
+                yield pre + dumps(c).encode() + b"]" + post
         if body.include_usage:
-            yield event({**head, "choices": [], "usage": _usage(prompt_tokens, choices)})
+            yield f"data: {dumps({**head, 'choices': [], 'usage': _usage(prompt_tokens, choices)})}" \
+                  "\n\n".encode()
     except Exception as exc:  # noqa: BLE001 (the engine failed mid-stream: say so, then end)
-        yield event(error_body(500, str(exc)))
-    yield "data: [DONE]\n\n"
+        yield f"data: {dumps(error_body(500, str(exc)))}\n\n".encode()
+    yield b"data: [DONE]\n\n"

@@ -414,20 +414,26 @@ class AsyncLLM:
 
     def _read(self) -> None:
         """The reader thread: the engine's messages to futures and streams, until EOF."""
+        from mrv2.serve.engine_core import MessageReader
+
+        reader = MessageReader(self._conn)
         while True:
             try:
-                replies, items, stats = self._conn.recv()  # NOTE: blocks without the GIL
+                msgs = reader.recv_batch()  # every step that came since the last wake
             except (EOFError, OSError):
                 break
-            self._stats = stats
-            for cid, exc in replies:
-                fut = self._futs.pop(cid, None)
-                if fut is None:
-                    continue
-                if exc is None:
-                    fut.set_result(None)
-                else:
-                    fut.set_exception(exc)
+            items = []
+            for replies, its, stats in msgs:
+                self._stats = stats
+                for cid, exc in replies:
+                    fut = self._futs.pop(cid, None)
+                    if fut is None:
+                        continue
+                    if exc is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(exc)
+                items += its
             self._dispatch(items)
         self._proc.join(5)
         with self._lock:

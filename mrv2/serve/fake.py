@@ -9,6 +9,9 @@ work) plus a sleep to ``step_ms`` (the GPU). Serve it with
     python -m mrv2.serve.fake --port 8000 --step-ms 10 --cpu-ms 3 --engine-process on
     python -m mrv2 bench serve --base-url http://127.0.0.1:8000 --workload standard \\
         --request-rate inf --max-concurrency 256
+
+``scripts/bench_serve_api.py`` does this with ``--cpu-ms 0`` and a short step, so the API
+process is the bound, and reports its chunks/s, tokens/s and CPU per chunk.
 """
 
 from __future__ import annotations
@@ -126,9 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--step-ms", type=float, default=10.0)
     p.add_argument("--cpu-ms", type=float, default=3.0)
+    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--engine-process", choices=("on", "off"), default="on")
     a = p.parse_args(argv)
-    kw = {"step_ms": a.step_ms, "cpu_ms": a.cpu_ms}
+    kw = {"step_ms": a.step_ms, "cpu_ms": a.cpu_ms, "max_num_seqs": a.max_num_seqs}
     from mrv2.serve.fake import FakeLLM as factory  # NOTE: not __main__.FakeLLM (pickled)
 
     engine = (AsyncLLM(engine_process=True, llm_kwargs=kw, factory=factory)
