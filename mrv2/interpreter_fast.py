@@ -1,0 +1,291 @@
+"""A cheaper Triton interpreter: the frontend's per-operation bookkeeping, memoised.
+
+Under ``TRITON_INTERPRET=1`` each ``tl.*`` operation of a kernel runs Triton's frontend
+in Python (type checks, broadcasting, a new ``block_type`` and ``tensor``) around one
+small numpy call, and each launch types and "copies to the host" its arguments. For
+mrv2's decode-sized kernels that bookkeeping was ~90% of a kernel's time (~20 us an
+operation). Each speed-up here replaces one pure piece of it with a memoised or
+short-circuited equivalent that returns what the original returns, so the kernels run
+the same code path and compute the same bits, only faster. Nothing here runs when
+kernels are compiled (``mrv2.platform`` installs it only under the interpreter).
+
+Every piece is private Triton: ``install()`` applies only those whose originals it finds
+and returns their names; ``uninstall()`` puts the originals back (tests compare kernels
+both ways); ``tests/test_interpreter_fast.py`` checks each piece against its original.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import inspect
+import types
+
+# (object, attribute, original value) of every replacement, in the order made.
+_CHANGES: list[tuple[object, str, object]] = []
+_INSTALLED: list[str] = []
+
+#: torch dtype name -> Triton's mangled pointer type (``triton.runtime.jit.mangle_type``).
+TORCH_POINTER_TYPES = {
+    "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64",
+    "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64", "bool": "*u1",
+    "uint8": "*u8", "uint16": "*u16", "uint32": "*u32", "uint64": "*u64",
+}
+
+
+def _replace(obj, name: str, value) -> None:
+    _CHANGES.append((obj, name, getattr(obj, name)))
+    setattr(obj, name, value)
+
+
+def _np_dtype_table(interp, tl) -> None:
+    """``_get_np_dtype`` as a dict lookup (the original builds a 19-entry dict per call)."""
+    import numpy as np
+
+    original = interp._get_np_dtype
+    table = {}
+    for name in ("int1", "float16", "float32", "float64", "int8", "uint8", "int16", "uint16",
+                 "int32", "uint32", "int64", "uint64", "bfloat16"):
+        ty = getattr(tl, name)
+        table[ty.name] = original(ty)
+    dtype, block_type, pointer_type = tl.dtype, tl.block_type, tl.pointer_type
+    u64 = np.dtype(np.uint64)
+
+    def _get_np_dtype(tt_dtype):
+        ty = tt_dtype
+        if type(ty) is block_type:
+            ty = ty.element_ty
+        cls = type(ty)
+        if cls is dtype:
+            found = table.get(ty.name)
+            if found is not None:
+                return found
+        elif cls is pointer_type:
+            return u64
+        return original(tt_dtype)
+
+    _replace(interp, "_get_np_dtype", _get_np_dtype)
+
+
+def _block_type_memo(core) -> None:
+    """``block_type.__init__`` reuses the shape tuple, numel and name of a shape seen before.
+
+    NOTE: the original builds a Triton ``tuple`` (a ``constexpr_type`` per dimension),
+    validates it and formats its name for every new type, i.e. for nearly every op.
+    Block types of one shape share that (never mutated) shape tuple.
+    """
+    block_type, triton_tuple = core.block_type, core.tuple
+    original = block_type.__init__
+    memo: dict[tuple, tuple] = {}
+
+    def __init__(self, element_ty, shape):
+        dims = shape.values if type(shape) is triton_tuple else shape
+        if type(dims) is list and all(type(s) is int for s in dims):
+            key = builtins.tuple(dims)
+            hit = memo.get(key)
+            if hit is not None:
+                self.element_ty = element_ty
+                self.shape, self.numel, shape_str = hit
+                self.name = f"<{shape_str}, {element_ty}>"
+                return
+            original(self, element_ty, shape)
+            memo[key] = (self.shape, self.numel, str(self.shape))
+            return
+        original(self, element_ty, shape)
+
+    _replace(block_type, "__init__", __init__)
+
+
+def _tensor_memo(core) -> None:
+    """``tensor.__init__`` reuses the ``constexpr`` shape of a block shape seen before.
+
+    With :func:`_block_type_memo` every block type of one shape holds the same shape
+    object, so the memo is keyed by that object (kept alive by the memo itself); scalars
+    share one empty shape.
+    """
+    tensor, block_type = core.tensor, core.block_type
+    original = tensor.__init__
+    memo: dict[int, tuple] = {}
+    scalar: list = []
+
+    def __init__(self, handle, type):
+        if builtins.type(type) is block_type:
+            key = type.shape
+            hit = memo.get(id(key))
+            if hit is not None and hit[0] is key:
+                self.handle, self.type, self.dtype = handle, type, type.element_ty
+                self.shape, self.numel = hit[1], hit[2]
+                return
+            original(self, handle, type)
+            memo[id(key)] = (key, self.shape, self.numel)
+            return
+        if scalar and isinstance(type, core.dtype) and not type.is_block():
+            self.handle, self.type, self.dtype = handle, type, type.scalar
+            self.shape, self.numel = scalar
+            return
+        original(self, handle, type)
+        if isinstance(type, core.dtype) and not type.is_block():
+            scalar[:] = [self.shape, self.numel]
+
+    _replace(tensor, "__init__", __init__)
+
+
+def _broadcast_same_shape(semantic, core) -> None:
+    """``broadcast_impl_value`` returns two blocks of one shape at once (as it would)."""
+    cls = semantic.TritonSemantic
+    original = cls.broadcast_impl_value
+    block_type = core.block_type
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lty, rty = lhs.type, rhs.type
+        if type(lty) is block_type and type(rty) is block_type and (
+                lty.shape is rty.shape or lty.shape.values == rty.shape.values):
+            return lhs, rhs
+        return original(self, lhs, rhs)
+
+    _replace(cls, "broadcast_impl_value", broadcast_impl_value)
+
+
+def _computation_type_memo(semantic) -> None:
+    """``computation_type_impl`` (a pure function of two types and three flags) memoised."""
+    cls = semantic.TritonSemantic
+    original = cls.computation_type_impl
+    memo: dict[tuple, object] = {}
+
+    def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+        key = (a_ty.name, a_is_scalar, b_ty.name, b_is_scalar, div_or_mod)
+        hit = memo.get(key)
+        if hit is None:  # errors are raised, never memoised
+            hit = memo[key] = original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        return hit
+
+    _replace(cls, "computation_type_impl", computation_type_impl)
+
+
+def _host_args_in_place(interp) -> None:
+    """CPU tensors go to the kernel as they are, not as host copies copied back after.
+
+    NOTE: the interpreter "copies" each tensor argument to the host before a launch and
+    back after it. For a CPU tensor that copy is a view of the same storage and the copy
+    back a self-copy: skipping both changes nothing but the time.
+    """
+    import torch
+
+    cls = interp.GridExecutor
+    original_init, original_restore = cls._init_args_hst, cls._restore_args_dev
+    wrapped = (builtins.tuple, list, getattr(interp, "TensorDescriptor", builtins.tuple))
+
+    def _plain(arg):  # a CPU tensor, or an argument the original passes as it is
+        if type(arg) in (torch.Tensor, torch.nn.Parameter):
+            return arg.device.type == "cpu"
+        return not hasattr(arg, "data_ptr") and not isinstance(arg, wrapped)
+
+    def _init_args_hst(self, args_dev, kwargs):
+        if all(map(_plain, args_dev)) and all(map(_plain, kwargs.values())):
+            return list(args_dev), dict(kwargs)
+        return original_init(self, args_dev, kwargs)
+
+    def _restore_args_dev(self, args_dev, args_hst, kwargs, kwargs_hst):
+        if all(d is h for d, h in zip(args_dev, args_hst)) and all(
+                kwargs_hst[k] is v for k, v in kwargs.items()):
+            return
+        original_restore(self, args_dev, args_hst, kwargs, kwargs_hst)
+
+    _replace(cls, "_init_args_hst", _init_args_hst)
+    _replace(cls, "_restore_args_dev", _restore_args_dev)
+
+
+def _cached_argspec(interp) -> None:
+    """The launcher's ``inspect.getfullargspec(kernel)`` once per kernel, not per launch."""
+    names = {k: getattr(inspect, k) for k in dir(inspect) if not k.startswith("__")}
+    ns = types.SimpleNamespace(**names)
+    ns.getfullargspec = functools.lru_cache(maxsize=None)(inspect.getfullargspec)
+    _replace(interp, "inspect", ns)
+
+
+def _typed_args(interp, tl) -> None:
+    """``_implicit_cvt`` types CPU tensors and ints from a memo, not by ``mangle_type``.
+
+    NOTE: ``mangle_type`` runs Triton's native specialiser, whose first call imports the
+    whole ``triton.experimental.gluon`` package (~80 ms); the memo gives the same types.
+    """
+    import numpy as np
+    import torch
+
+    original = interp._implicit_cvt
+    TensorHandle, tensor = interp.TensorHandle, tl.tensor
+    ptr_types: dict = {}
+    i32 = tl.int32
+
+    def _implicit_cvt(arg):
+        cls = type(arg)
+        if cls is int:
+            if -2**31 <= arg < 2**31:  # NOTE: wider ints keep the original's numpy dtypes
+                return tensor(TensorHandle(np.array([arg], dtype=np.int32), i32), i32)
+        elif (cls is torch.Tensor or cls is torch.nn.Parameter) and arg.device.type == "cpu":
+            ty = ptr_types.get(arg.dtype)
+            if ty is None:
+                name = TORCH_POINTER_TYPES.get(str(arg.dtype).removeprefix("torch."))
+                if name is None:
+                    return original(arg)
+                ty = ptr_types[arg.dtype] = tl.str_to_ty(name, None)
+            return tensor(TensorHandle(np.array([arg.data_ptr()], dtype=np.uint64), ty), ty)
+        return original(arg)
+
+    _replace(interp, "_implicit_cvt", _implicit_cvt)
+
+
+_STEPS = {
+    # name: (apply(interp, tl, core, semantic), the originals it needs are present)
+    "np_dtype_table": (lambda i, tl, c, s: _np_dtype_table(i, tl),
+                       lambda i, tl, c, s: callable(getattr(i, "_get_np_dtype", None))),
+    "block_type_memo": (lambda i, tl, c, s: _block_type_memo(c),
+                        lambda i, tl, c, s: hasattr(c, "block_type") and hasattr(c, "tuple")),
+    "tensor_memo": (lambda i, tl, c, s: _tensor_memo(c),
+                    lambda i, tl, c, s: hasattr(c, "tensor")),
+    "broadcast_same_shape": (
+        lambda i, tl, c, s: _broadcast_same_shape(s, c),
+        lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None), "broadcast_impl_value")),
+    "computation_type_memo": (
+        lambda i, tl, c, s: _computation_type_memo(s),
+        lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None),
+                                    "computation_type_impl")),
+    "host_args_in_place": (
+        lambda i, tl, c, s: _host_args_in_place(i),
+        lambda i, tl, c, s: all(hasattr(getattr(i, "GridExecutor", None), m)
+                                for m in ("_init_args_hst", "_restore_args_dev"))),
+    "cached_argspec": (lambda i, tl, c, s: _cached_argspec(i),
+                       lambda i, tl, c, s: getattr(i, "inspect", None) is inspect),
+    "typed_args": (lambda i, tl, c, s: _typed_args(i, tl),
+                   lambda i, tl, c, s: callable(getattr(i, "_implicit_cvt", None))
+                   and hasattr(i, "TensorHandle")),
+}
+
+
+def install() -> list[str]:
+    """Apply every speed-up this Triton has the pieces for (once per process).
+
+    Returns:
+        The names of the speed-ups now on (empty when Triton cannot be imported).
+    """
+    if _INSTALLED:
+        return list(_INSTALLED)
+    try:
+        import triton.language as tl
+        from triton.language import core, semantic
+        from triton.runtime import interpreter
+    except ImportError:
+        return []
+    for name, (apply, present) in _STEPS.items():
+        if present(interpreter, tl, core, semantic):
+            apply(interpreter, tl, core, semantic)
+            _INSTALLED.append(name)
+    return list(_INSTALLED)
+
+
+def uninstall() -> None:
+    """Put every original back (tests run kernels without the speed-ups to compare)."""
+    while _CHANGES:
+        obj, name, original = _CHANGES.pop()
+        setattr(obj, name, original)
+    _INSTALLED.clear()
