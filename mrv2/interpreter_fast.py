@@ -130,20 +130,92 @@ def _tensor_memo(core) -> None:
     _replace(tensor, "__init__", __init__)
 
 
-def _broadcast_same_shape(semantic, core) -> None:
-    """``broadcast_impl_value`` returns two blocks of one shape at once (as it would)."""
+def _broadcast_blocks(semantic, core) -> None:
+    """``broadcast_impl_value`` of two blocks of one rank without Triton tuples.
+
+    The original compares shapes as Triton tuples (a new tuple and a ``constexpr`` per
+    comparison); this compares their int lists and broadcasts as it would. Scalars,
+    ranks that differ and incompatible shapes (its error) go to the original.
+    """
     cls = semantic.TritonSemantic
     original = cls.broadcast_impl_value
     block_type = core.block_type
 
     def broadcast_impl_value(self, lhs, rhs):
         lty, rty = lhs.type, rhs.type
-        if type(lty) is block_type and type(rty) is block_type and (
-                lty.shape is rty.shape or lty.shape.values == rty.shape.values):
+        if type(lty) is not block_type or type(rty) is not block_type:
+            return original(self, lhs, rhs)
+        lshape, rshape = lty.shape.values, rty.shape.values
+        if lshape == rshape:
             return lhs, rhs
-        return original(self, lhs, rhs)
+        if len(lshape) != len(rshape):
+            return original(self, lhs, rhs)
+        shape = []
+        for left, right in zip(lshape, rshape):
+            if left == 1:
+                shape.append(right)
+            elif right == 1 or right == left:
+                shape.append(left)
+            else:
+                return original(self, lhs, rhs)  # raises its error
+        if lshape != shape:
+            lhs = self.make_tensor(self.builder.create_broadcast(lhs.handle, shape),
+                                   block_type(lty.scalar, shape))
+        if rshape != shape:
+            rhs = self.make_tensor(self.builder.create_broadcast(rhs.handle, shape),
+                                   block_type(rty.scalar, shape))
+        return lhs, rhs
 
     _replace(cls, "broadcast_impl_value", broadcast_impl_value)
+
+
+def _binary_checks(semantic, core) -> None:
+    """``binary_op_type_checking_impl`` of two tensors that need no cast: broadcast only.
+
+    Two tensors of one non-pointer dtype whose computation type is that dtype, or a
+    pointer and an integer offset where the op allows the pointer: the original's
+    checks pass and its casts return the operands unchanged, so what is left is the
+    broadcast. Python scalars and everything else go to the original.
+    """
+    cls = semantic.TritonSemantic
+    original = cls.binary_op_type_checking_impl
+    tensor, dtype, pointer_type = core.tensor, core.dtype, core.pointer_type
+
+    def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                     arithmetic_check=True, div_or_mod=False):
+        if type(lhs) is tensor and type(rhs) is tensor:
+            lty, rty = lhs.dtype, rhs.dtype
+            lcls, rcls = type(lty), type(rty)
+            if lcls is dtype and rcls is dtype:
+                if lty.name == rty.name and (not arithmetic_check or self.computation_type_impl(
+                        lty, False, rty, False, div_or_mod).name == lty.name):
+                    return self.broadcast_impl_value(lhs, rhs)
+            elif (lcls is pointer_type and rcls is dtype and allow_lhs_ptr and rty.is_int()
+                  or lcls is dtype and rcls is pointer_type and allow_rhs_ptr and lty.is_int()):
+                return self.broadcast_impl_value(lhs, rhs)
+        return original(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
+                        div_or_mod)
+
+    _replace(cls, "binary_op_type_checking_impl", binary_op_type_checking_impl)
+
+
+def _lean_builtin_patch(interp) -> None:
+    """The interpreter's wrapper around each ``tl`` builtin sets ``_semantic`` in place.
+
+    NOTE: the original wrapper rebuilds the keyword dict without ``_semantic`` at every
+    call of every builtin; setting the key in the (fresh) ``**kwargs`` dict is the same.
+    Applies to the patch made at the first launch (mrv2.platform keeps it).
+    """
+    semantic = interp.interpreter_semantic
+
+    def _patch_attr(obj, name, member, builder, scope):
+        def new_member(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return member(*args, **kwargs)
+
+        scope.set_attr(obj, name, new_member)
+
+    _replace(interp, "_patch_attr", _patch_attr)
 
 
 def _computation_type_memo(semantic) -> None:
@@ -243,9 +315,17 @@ _STEPS = {
                         lambda i, tl, c, s: hasattr(c, "block_type") and hasattr(c, "tuple")),
     "tensor_memo": (lambda i, tl, c, s: _tensor_memo(c),
                     lambda i, tl, c, s: hasattr(c, "tensor")),
-    "broadcast_same_shape": (
-        lambda i, tl, c, s: _broadcast_same_shape(s, c),
+    "broadcast_blocks": (
+        lambda i, tl, c, s: _broadcast_blocks(s, c),
         lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None), "broadcast_impl_value")),
+    "binary_checks": (
+        lambda i, tl, c, s: _binary_checks(s, c),
+        lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None),
+                                    "binary_op_type_checking_impl")),
+    "lean_builtin_patch": (
+        lambda i, tl, c, s: _lean_builtin_patch(i),
+        lambda i, tl, c, s: callable(getattr(i, "_patch_attr", None))
+        and hasattr(i, "interpreter_semantic")),
     "computation_type_memo": (
         lambda i, tl, c, s: _computation_type_memo(s),
         lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None),

@@ -27,6 +27,12 @@ def _speedups_off():
         interpreter_fast.install()
 
 
+def _speedups_on_and_off():
+    yield "on"
+    with _speedups_off():
+        yield "off"
+
+
 def _same_error(fn_a, fn_b):
     """Both raise the same exception type, or neither does; returns both results."""
     res = []
@@ -142,6 +148,48 @@ def test_host_args_in_place_writes_into_views_and_keeps_other_memory():
     expected = torch.full((5, 12), -7.0)
     expected[1:, 1:11] = x * 2.5 + torch.arange(4.0)[:, None]
     assert torch.equal(base, expected)
+
+
+@triton.jit
+def _mixed_ops(a_ptr, b_ptr, out_f_ptr, out_i_ptr, off, M: tl.constexpr, N: tl.constexpr):
+    # Broadcasts of every kind, promotions, pointer offsets, unsigned ops, comparisons.
+    m = tl.arange(0, M)
+    n = tl.arange(0, N)
+    a = tl.load(a_ptr + m[:, None] * N + n[None, :])                # [M, N] fp32
+    b = tl.load(b_ptr + n)                                          # [N] int64
+    col = tl.sum(a, 1)[:, None]                                     # [M, 1]
+    f = a * col + b[None, :] - (m[:, None] + off)                   # fp32, int64, int32
+    h = (n.to(tl.uint32) * 0x9E3779B1) ^ (b.to(tl.uint32) >> 3)     # [N] uint32
+    i = tl.where((a > 0.5) & (h[None, :] < 2**31), h[None, :].to(tl.int64), b[None, :] + m[:, None])
+    tl.store(out_f_ptr + m[:, None] * N + n[None, :], f / (1.0 + col))
+    tl.store(out_i_ptr + m[:, None] * N + n[None, :], i + off)
+
+
+@triton.jit
+def _bad_broadcast(x_ptr, M: tl.constexpr, N: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, M), tl.arange(0, M) + tl.arange(0, N))  # [M] + [N]
+
+
+def test_broadcasts_promotions_and_pointer_offsets_match_with_the_speedups_off():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.rand(8, 16, generator=g), torch.randint(-9, 2**40, (16,), generator=g)
+
+    def run():
+        out_f, out_i = torch.empty(8, 16), torch.empty(8, 16, dtype=torch.int64)
+        _mixed_ops[(1,)](a, b, out_f, out_i, 5, M=8, N=16)
+        return out_f, out_i
+
+    fast = run()
+    with _speedups_off():
+        slow = run()
+    assert all(torch.equal(x, y) for x, y in zip(fast, slow))
+
+
+def test_an_incompatible_broadcast_still_fails():
+    x = torch.zeros(64, dtype=torch.int32)
+    for _ in _speedups_on_and_off():
+        with pytest.raises(Exception, match="Cannot make_shape_compatible"):
+            _bad_broadcast[(1,)](x, M=8, N=4)
 
 
 def _kernel_outputs():
