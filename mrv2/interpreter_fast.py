@@ -134,16 +134,28 @@ def _broadcast_blocks(semantic, core) -> None:
     """``broadcast_impl_value`` of two blocks of one rank without Triton tuples.
 
     The original compares shapes as Triton tuples (a new tuple and a ``constexpr`` per
-    comparison); this compares their int lists and broadcasts as it would. Scalars,
-    ranks that differ and incompatible shapes (its error) go to the original.
+    comparison); this compares their int lists and broadcasts as it would, and splats a
+    scalar without rebuilding its block type. Ranks that differ and incompatible shapes
+    (its error) go to the original.
     """
     cls = semantic.TritonSemantic
     original = cls.broadcast_impl_value
-    block_type = core.block_type
+    block_type, dtype = core.block_type, core.dtype
 
     def broadcast_impl_value(self, lhs, rhs):
         lty, rty = lhs.type, rhs.type
-        if type(lty) is not block_type or type(rty) is not block_type:
+        lblock, rblock = type(lty) is block_type, type(rty) is block_type
+        if lblock != rblock:  # a block and a scalar: splat the scalar to the block's shape
+            # NOTE: the original passes ty.to_ir(builder), an equal block type; the
+            # interpreter's create_splat reads only its shape.
+            if lblock and isinstance(rty, dtype) and not rty.is_block():
+                ty = block_type(rty, lty.shape.values)
+                return lhs, self.make_tensor(self.builder.create_splat(ty, rhs.handle), ty)
+            if rblock and isinstance(lty, dtype) and not lty.is_block():
+                ty = block_type(lty, rty.shape.values)
+                return self.make_tensor(self.builder.create_splat(ty, lhs.handle), ty), rhs
+            return original(self, lhs, rhs)
+        if not lblock:
             return original(self, lhs, rhs)
         lshape, rshape = lty.shape.values, rty.shape.values
         if lshape == rshape:
@@ -268,11 +280,51 @@ def _host_args_in_place(interp) -> None:
 
 
 def _cached_argspec(interp) -> None:
-    """The launcher's ``inspect.getfullargspec(kernel)`` once per kernel, not per launch."""
+    """The launcher's ``getfullargspec`` / ``getcallargs`` of a kernel, from its spec once.
+
+    ``getcallargs`` of a kernel with plain parameters (no ``*args``, ``**kwargs`` or
+    keyword-only ones) is the name -> value dict built here; anything else, and every
+    bad call (so that it raises the original's error), goes to ``inspect``.
+    """
     names = {k: getattr(inspect, k) for k in dir(inspect) if not k.startswith("__")}
     ns = types.SimpleNamespace(**names)
-    ns.getfullargspec = functools.lru_cache(maxsize=None)(inspect.getfullargspec)
+    spec_of = functools.lru_cache(maxsize=None)(inspect.getfullargspec)
+
+    def getcallargs(fn, *args, **kwargs):
+        spec = spec_of(fn)
+        params = spec.args
+        if (spec.varargs is None and spec.varkw is None and not spec.kwonlyargs
+                and len(args) <= len(params)):
+            bound = dict(zip(params, args))
+            if all(k in params and k not in bound for k in kwargs):
+                bound.update(kwargs)
+                if len(bound) < len(params) and spec.defaults:
+                    first = len(params) - len(spec.defaults)
+                    for name, value in zip(params[first:], spec.defaults):
+                        bound.setdefault(name, value)
+                if len(bound) == len(params):  # else a name is missing or unknown
+                    return bound
+        return inspect.getcallargs(fn, *args, **kwargs)
+
+    ns.getfullargspec, ns.getcallargs = spec_of, getcallargs
     _replace(interp, "inspect", ns)
+
+
+def _cache_policy_memo(core) -> None:
+    """``_normalize_cache_policy`` of plain strings memoised (a frozen dataclass per load)."""
+    original = core._normalize_cache_policy
+    memo: dict[tuple, object] = {}
+
+    def _normalize_cache_policy(cache_policy, cache_modifier, eviction_policy):
+        if cache_policy is None and type(cache_modifier) is str and type(eviction_policy) is str:
+            key = (cache_modifier, eviction_policy)
+            hit = memo.get(key)
+            if hit is None:
+                hit = memo[key] = original(None, cache_modifier, eviction_policy)
+            return hit
+        return original(cache_policy, cache_modifier, eviction_policy)
+
+    _replace(core, "_normalize_cache_policy", _normalize_cache_policy)
 
 
 def _typed_args(interp, tl) -> None:
@@ -336,6 +388,9 @@ _STEPS = {
                                 for m in ("_init_args_hst", "_restore_args_dev"))),
     "cached_argspec": (lambda i, tl, c, s: _cached_argspec(i),
                        lambda i, tl, c, s: getattr(i, "inspect", None) is inspect),
+    "cache_policy_memo": (lambda i, tl, c, s: _cache_policy_memo(c),
+                          lambda i, tl, c, s: callable(getattr(c, "_normalize_cache_policy",
+                                                               None))),
     "typed_args": (lambda i, tl, c, s: _typed_args(i, tl),
                    lambda i, tl, c, s: callable(getattr(i, "_implicit_cvt", None))
                    and hasattr(i, "TensorHandle")),

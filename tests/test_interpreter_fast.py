@@ -132,6 +132,27 @@ def test_typed_args_equal_mangle_type():
         assert fast.handle.data.tolist() == slow.handle.data.tolist(), v
 
 
+def test_cached_getcallargs_equals_inspect():
+    import inspect
+
+    from triton.runtime import interpreter
+
+    def plain(a, b, c=3, d=4):
+        pass
+
+    def star(a, *rest, k=1, **kw):
+        pass
+
+    calls = [(plain, (1, 2), {}), (plain, (1,), {"b": 2, "d": 9}), (plain, (), {"a": 1, "b": 2}),
+             (plain, (1, 2, 3, 4), {}), (star, (1, 2, 3), {"k": 2, "z": 0}),
+             (plain, (1,), {}), (plain, (1, 2), {"a": 1}), (plain, (1, 2), {"e": 1}),
+             (plain, (1, 2, 3, 4, 5), {}), (plain, (1,), {"e": 1, "c": 3})]  # the last 5 raise
+    for fn, args, kwargs in calls:
+        got = _same_error(lambda f=fn, a=args, k=kwargs: interpreter.inspect.getcallargs(f, *a, **k),
+                          lambda f=fn, a=args, k=kwargs: inspect.getcallargs(f, *a, **k))
+        assert got[0] == got[1], (fn.__name__, args, kwargs, got)
+
+
 @triton.jit
 def _scale_rows(x_ptr, out_ptr, n, stride_x, stride_o, factor, BLOCK: tl.constexpr):
     row = tl.program_id(0)
