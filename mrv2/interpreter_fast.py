@@ -230,6 +230,36 @@ def _lean_builtin_patch(interp) -> None:
     _replace(interp, "_patch_attr", _patch_attr)
 
 
+def _expand_dims_fast(interp, semantic, core) -> None:
+    """``x[:, None]`` of a block: its block type from the int shape, the data reshaped.
+
+    NOTE: ``np.expand_dims`` is a reshape after normalising the axis; the reshape alone
+    returns the same view.
+    """
+    cls, builder = semantic.TritonSemantic, interp.InterpreterBuilder
+    original, original_handle = cls.expand_dims, builder.create_expand_dims
+    block_type, TensorHandle = core.block_type, interp.TensorHandle
+
+    def expand_dims(self, input, axis):
+        ty = input.type
+        if type(ty) is block_type and type(axis) is int and 0 <= axis <= len(ty.shape.values):
+            shape = list(ty.shape.values)
+            shape.insert(axis, 1)
+            return self.make_tensor(self.builder.create_expand_dims(input.handle, axis),
+                                    block_type(ty.element_ty, shape))
+        return original(self, input, axis)
+
+    def create_expand_dims(self, arg, axis):
+        data = arg.data
+        if type(axis) is int and 0 <= axis <= data.ndim:
+            return TensorHandle(data.reshape(data.shape[:axis] + (1,) + data.shape[axis:]),
+                                arg.dtype.scalar)
+        return original_handle(self, arg, axis)
+
+    _replace(cls, "expand_dims", expand_dims)
+    _replace(builder, "create_expand_dims", create_expand_dims)
+
+
 def _computation_type_memo(semantic) -> None:
     """``computation_type_impl`` (a pure function of two types and three flags) memoised."""
     cls = semantic.TritonSemantic
@@ -388,6 +418,10 @@ _STEPS = {
                                 for m in ("_init_args_hst", "_restore_args_dev"))),
     "cached_argspec": (lambda i, tl, c, s: _cached_argspec(i),
                        lambda i, tl, c, s: getattr(i, "inspect", None) is inspect),
+    "expand_dims_fast": (
+        lambda i, tl, c, s: _expand_dims_fast(i, s, c),
+        lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None), "expand_dims")
+        and hasattr(getattr(i, "InterpreterBuilder", None), "create_expand_dims")),
     "cache_policy_memo": (lambda i, tl, c, s: _cache_policy_memo(c),
                           lambda i, tl, c, s: callable(getattr(c, "_normalize_cache_policy",
                                                                None))),
