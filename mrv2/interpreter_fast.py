@@ -187,11 +187,14 @@ def _binary_checks(semantic, core) -> None:
     Two tensors of one non-pointer dtype whose computation type is that dtype, or a
     pointer and an integer offset where the op allows the pointer: the original's
     checks pass and its casts return the operands unchanged, so what is left is the
-    broadcast. Python scalars and everything else go to the original.
+    broadcast. A tensor and a Python int or float whose computation type is the tensor's
+    dtype: the literal's cast (the original's) and the broadcast. Everything else goes to
+    the original.
     """
     cls = semantic.TritonSemantic
     original = cls.binary_op_type_checking_impl
     tensor, dtype, pointer_type = core.tensor, core.dtype, core.pointer_type
+    numbers = (int, float)  # NOTE: not bool (an int1 literal), not numpy scalars
 
     def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
                                      arithmetic_check=True, div_or_mod=False):
@@ -205,6 +208,22 @@ def _binary_checks(semantic, core) -> None:
             elif (lcls is pointer_type and rcls is dtype and allow_lhs_ptr and rty.is_int()
                   or lcls is dtype and rcls is pointer_type and allow_rhs_ptr and lty.is_int()):
                 return self.broadcast_impl_value(lhs, rhs)
+        elif arithmetic_check and (type(rhs) in numbers and type(lhs) is tensor
+                                   and type(lhs.dtype) is dtype):
+            # A tensor and a Python number: the original's steps without its pointer checks
+            # (no pointer here) when the tensor keeps its dtype.
+            lty = lhs.dtype
+            ret = self.computation_type_impl(lty, False, self.to_tensor_type(rhs), True,
+                                             div_or_mod)
+            if ret.name == lty.name:
+                return self.broadcast_impl_value(lhs, self._cast_to_computation_type(rhs, ret))
+        elif arithmetic_check and (type(lhs) in numbers and type(rhs) is tensor
+                                   and type(rhs.dtype) is dtype):
+            rty = rhs.dtype
+            ret = self.computation_type_impl(self.to_tensor_type(lhs), True, rty, False,
+                                             div_or_mod)
+            if ret.name == rty.name:
+                return self.broadcast_impl_value(self._cast_to_computation_type(lhs, ret), rhs)
         return original(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
                         div_or_mod)
 

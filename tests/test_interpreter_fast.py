@@ -182,8 +182,9 @@ def _mixed_ops(a_ptr, b_ptr, out_f_ptr, out_i_ptr, off, M: tl.constexpr, N: tl.c
     f = a * col + b[None, :] - (m[:, None] + off)                   # fp32, int64, int32
     h = (n.to(tl.uint32) * 0x9E3779B1) ^ (b.to(tl.uint32) >> 3)     # [N] uint32
     i = tl.where((a > 0.5) & (h[None, :] < 2**31), h[None, :].to(tl.int64), b[None, :] + m[:, None])
+    lit = (3 - m[:, None]).to(tl.int64) * 2**40 + (0.5 * a > 0.2).to(tl.int64) - (b[None, :] >> 2)  # literals
     tl.store(out_f_ptr + m[:, None] * N + n[None, :], f / (1.0 + col))
-    tl.store(out_i_ptr + m[:, None] * N + n[None, :], i + off)
+    tl.store(out_i_ptr + m[:, None] * N + n[None, :], i + off + lit)
 
 
 @triton.jit
@@ -204,6 +205,18 @@ def test_broadcasts_promotions_and_pointer_offsets_match_with_the_speedups_off()
     with _speedups_off():
         slow = run()
     assert all(torch.equal(x, y) for x, y in zip(fast, slow))
+
+
+@triton.jit
+def _bad_literal(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, N), tl.arange(0, N).to(tl.uint32) + -1)
+
+
+def test_a_negative_literal_with_an_unsigned_tensor_still_fails():
+    x = torch.zeros(8, dtype=torch.int32)
+    for _ in _speedups_on_and_off():
+        with pytest.raises(Exception, match="unsigned tensor and a negative scalar"):
+            _bad_literal[(1,)](x, N=8)
 
 
 def test_an_incompatible_broadcast_still_fails():
