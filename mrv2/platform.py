@@ -164,9 +164,11 @@ def _patch_language_once() -> bool:
 
 if TRITON_INTERPRET:
     _patch_language_once()
-    from mrv2 import interpreter_fast
+    # ``MRV2_INTERPRETER_FAST=0`` keeps Triton's own interpreter frontend (same results).
+    if os.environ.get("MRV2_INTERPRETER_FAST", "1") != "0":
+        from mrv2 import interpreter_fast
 
-    interpreter_fast.install()
+        interpreter_fast.install()
 
 #: The device every mrv2 tensor lives on.
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -256,3 +256,16 @@ def test_kernels_give_the_same_bits_with_the_speedups_off():
         slow = _kernel_outputs()
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+def test_mrv2_interpreter_fast_0_keeps_tritons_frontend():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import mrv2.platform, mrv2.interpreter_fast as f, triton.runtime.interpreter as i; "
+            "print(f._INSTALLED, i._get_np_dtype.__module__)")
+    env = {**os.environ, "MRV2_INTERPRETER_FAST": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["[]", "triton.runtime.interpreter"]
