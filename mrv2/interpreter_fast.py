@@ -328,6 +328,32 @@ def _host_args_in_place(interp) -> None:
     _replace(cls, "_restore_args_dev", _restore_args_dev)
 
 
+def _launcher_memo(interp) -> None:
+    """A launch's ``GridExecutor`` takes its kernel's constexpr names from a memo.
+
+    NOTE: the original re-reads and normalises the kernel's annotations at every launch
+    and keeps the names in a list that every argument is looked up in; a frozenset of the
+    same names answers the same. Used only while ``__init__`` sets nothing else.
+    """
+    cls = interp.GridExecutor
+    original = cls.__init__
+    known = {"fn", "arg_names", "grid", "pre_run_hooks", "constexprs"}
+    memo: dict = {}
+
+    def __init__(self, fn, arg_names, grid, pre_run_hooks=[]):  # noqa: B006 (as Triton's)
+        names = memo.get(fn)
+        if names is None:
+            original(self, fn, arg_names, grid, pre_run_hooks)
+            if set(vars(self)) != known:
+                return
+            names = memo[fn] = frozenset(self.constexprs)
+        self.fn, self.arg_names, self.grid, self.pre_run_hooks = fn, arg_names, grid, \
+            pre_run_hooks
+        self.constexprs = names
+
+    _replace(cls, "__init__", __init__)
+
+
 def _cached_argspec(interp) -> None:
     """The launcher's ``getfullargspec`` / ``getcallargs`` of a kernel, from its spec once.
 
@@ -441,6 +467,8 @@ _STEPS = {
         lambda i, tl, c, s: _expand_dims_fast(i, s, c),
         lambda i, tl, c, s: hasattr(getattr(s, "TritonSemantic", None), "expand_dims")
         and hasattr(getattr(i, "InterpreterBuilder", None), "create_expand_dims")),
+    "launcher_memo": (lambda i, tl, c, s: _launcher_memo(i),
+                      lambda i, tl, c, s: hasattr(getattr(i, "GridExecutor", None), "__init__")),
     "cache_policy_memo": (lambda i, tl, c, s: _cache_policy_memo(c),
                           lambda i, tl, c, s: callable(getattr(c, "_normalize_cache_policy",
                                                                None))),

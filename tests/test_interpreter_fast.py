@@ -269,3 +269,16 @@ def test_mrv2_interpreter_fast_0_keeps_tritons_frontend():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["[]", "triton.runtime.interpreter"]
+
+
+def test_launcher_memo_keeps_the_constexpr_names():
+    from triton.runtime import interpreter
+
+    fn = _mixed_ops.fn
+    names = ["a_ptr", "b_ptr", "out_f_ptr", "out_i_ptr", "off", "M", "N"]
+    for _ in range(2):  # a memo miss, then a hit
+        fast = interpreter.GridExecutor(fn, names, (1,))
+        assert fast.fn is fn and fast.grid == (1,) and fast.arg_names is names
+    with _speedups_off():
+        slow = interpreter.GridExecutor(fn, names, (1,))
+    assert set(fast.constexprs) == set(slow.constexprs) == {"M", "N"}
