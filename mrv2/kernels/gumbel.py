@@ -386,6 +386,9 @@ def _gumbel_block_argmax_kernel(
             done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
         else:  # NOTE: the interpreter pays per operation: small tiles skip the bound
             done = row_mask & ~row_mask
+            # (defined in both branches, as a compiled kernel needs; the exact path sets them)
+            best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+            best_idx = tl.zeros([BLOCK_B], dtype=tl.int32)
         if tl.sum((row_mask & ~done).to(tl.int32), axis=0) > 0:
             # Rare (near-ties, many logits close to the top): every logit's exact score.
             hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
