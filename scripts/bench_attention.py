@@ -30,6 +30,7 @@ from mrv2.platform import DEVICE, HAS_CUDA  # noqa: I001
 import torch
 import triton
 
+from mrv2.bench.report import git_commit
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels.attention import paged_attention, paged_attention_ref
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                      else py_platform.processor() or "cpu"),
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),  # the book's figure labels (mrv2.bench.book_plots)
         "smoke": smoke, "dtype": str(dtype).removeprefix("torch."),
         "shape": {"num_heads": h, "num_kv_heads": h_kv, "head_dim": d,
                   "block_size": args.block_size},

@@ -9,6 +9,15 @@ Hugging Face folder: bf16 safetensors, tokenizer, generation config, a model car
 
     python scripts/train_tiny_qwen3.py                          # ~1-2 min on an H200
     python scripts/train_tiny_qwen3.py --smoke --out /tmp/tiny  # seconds, on the CPU
+
+With ``--teacher PATH`` (a draft: ``--preset draft``) the model is distilled from that frozen
+model instead (``scripts/distill_draft.py``): KL to the teacher's distribution, optionally
+mixed with the data's next-token loss and trained partly on the teacher's own continuations;
+the weights kept are those of the best top-1 agreement with the teacher on the validation
+split, and (not with ``--smoke``) mrv2 measures the draft's acceptance for the card:
+
+    python scripts/train_tiny_qwen3.py --preset draft --teacher mrv2/assets/tiny-qwen3-shakespeare \\
+        --teacher-generated 0.5 --out mrv2/assets/tiny-qwen3-shakespeare-draft   # GPU
 """
 
 from __future__ import annotations
@@ -61,10 +70,36 @@ def parse_args(argv=None):
                    help="reuse this tokenizer folder instead of training one (a draft model "
                         "must share its target's vocabulary)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--init", default=None, metavar="PATH",
+                   help="start from this checkpoint's weights (same architecture as the "
+                        "preset) instead of random ones: fine-tuning")
+    d = p.add_argument_group("distillation (scripts/distill_draft.py)")
+    d.add_argument("--teacher", default=None,
+                   help="distil from this frozen model's distribution (it must share the "
+                        "tokenizer; --tokenizer defaults to it)")
+    d.add_argument("--distill-alpha", type=float, default=1.0,
+                   help="loss = alpha * KL(teacher || student) + (1 - alpha) * data CE")
+    d.add_argument("--teacher-generated", type=float, default=0.0, metavar="FRACTION",
+                   help="this fraction of each batch: sequences the teacher continued from "
+                        "random training-split prompts (half greedy, half sampled at T=1)")
+    d.add_argument("--teacher-pool", type=int, default=4096,
+                   help="teacher-generated sequences, made once before training")
+    d.add_argument("--card-only", action="store_true",
+                   help="no training: measure the --teacher run in --out with mrv2 and "
+                        "rewrite its README.md")
     args = p.parse_args(argv)
+    if not 0.0 <= args.distill_alpha <= 1.0:
+        p.error(f"--distill-alpha must be in [0, 1]; got {args.distill_alpha}")
+    if not 0.0 <= args.teacher_generated <= 1.0:
+        p.error(f"--teacher-generated must be in [0, 1]; got {args.teacher_generated}")
+    if not args.teacher and (args.teacher_generated or args.distill_alpha != 1.0):
+        p.error("--distill-alpha and --teacher-generated need --teacher")
+    if args.teacher and args.tokenizer is None:
+        args.tokenizer = args.teacher
     if args.smoke:
         args.steps, args.batch_size, args.seq_len = 8, 4, 32
         args.vocab_size, args.warmup, args.eval_every, args.log_every = 320, 2, 4, 2
+        args.teacher_pool = min(args.teacher_pool, 8)
     return args
 
 
@@ -149,7 +184,12 @@ def main(argv=None) -> dict:
     if args.smoke and device.type == "cpu":
         torch.set_num_threads(1)  # tiny tensors: one thread is faster and immune to busy cores
     try:
-        return train(args, device, cmd)
+        if args.card_only:
+            return _distill().write_card_only(Path(args.out), model_card)
+        stats = train(args, device, cmd)
+        if args.teacher and not args.smoke:  # the acceptance section of the card
+            _distill().write_card_only(Path(args.out), model_card)
+        return stats
     finally:
         torch.set_num_threads(threads)
 
@@ -177,6 +217,7 @@ def train(args, device, command) -> dict:
     else:
         tok = train_tokenizer(train_text, args.vocab_size)
     eos_id = tok.convert_tokens_to_ids(EOS)
+    teacher = _distill().load_teacher(args.teacher, tok, device) if args.teacher else None
     sample = val_text[:1000] + "  Odd: café ünïcödé → 世界 🎭\n\t x"
     assert tok.decode(tok.encode(sample)) == sample, "tokenizer round-trip failed"
     raw = tok.backend_tokenizer  # whole-text encode, without the max-length warning
@@ -193,6 +234,8 @@ def train(args, device, command) -> dict:
                          eos_token_id=eos_id, pad_token_id=eos_id,
                          **(SMOKE if args.smoke else DRAFT if args.preset == "draft" else FULL))
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+    if args.init:
+        init_from(model, args.init)
     add_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())  # the tied embedding counts once
     print(f"model: Qwen3ForCausalLM, {n_params:,} parameters, device {device}", flush=True)
@@ -207,9 +250,12 @@ def train(args, device, command) -> dict:
     val_batches = fixed_batches(val_ids, n_windows, args)
     gen = torch.Generator().manual_seed(args.seed)
     train_eval_batches = fixed_batches(train_ids, n_windows, args, gen)
+    if teacher is not None:  # the teacher's own continuations: a training pool, a val set
+        dd = _distill()
+        pool, gen_val = dd.prepare(teacher, train_ids, val_ids, args, eos_id, autocast)
 
     # --- training ----------------------------------------------------------------------------
-    log, best = [], {"val": float("inf"), "step": 0, "state": None}
+    log, best = [], {"val": (math.inf, math.inf), "step": 0, "state": None}
     tokens_per_step = args.batch_size * args.seq_len
     loss_acc, n_acc = torch.zeros((), device=device), 0
     t_train = t_log = time.time()
@@ -218,12 +264,21 @@ def train(args, device, command) -> dict:
         lr = lr_at(step - 1, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,),
-                               device=device)
-        x, y = windows(train_ids, starts, args.seq_len)
+        if teacher is None:
+            starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,),
+                                   device=device)
+            x, y = windows(train_ids, starts, args.seq_len)
+        else:
+            x, y = dd.mixed_batch(train_ids, pool, args.batch_size, args.seq_len,
+                                  args.teacher_generated)
         with autocast():
             logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if teacher is None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        else:
+            with torch.no_grad(), autocast():
+                t_logits = teacher(input_ids=x).logits                      # [B, L, V]
+            loss = dd.distill_loss(logits, t_logits, y, args.distill_alpha)[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -241,13 +296,23 @@ def train(args, device, command) -> dict:
                   f"{tps:,.0f} tok/s  {time.time() - t_train:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             t_eval = time.time()
-            val = evaluate(model, val_batches, autocast)
+            if teacher is None:
+                val = evaluate(model, val_batches, autocast)
+                score = (val, 0.0)
+                more = ""
+            else:  # the kept weights: the best top-1 agreement with the teacher
+                m = dd.evaluate_all(model, teacher, val_batches, gen_val, args, autocast)
+                val, score = m["val_loss"], (-m["val_agreement"], m["val_kl"])
+                entry.update({k: round(v, 4) for k, v in m.items() if k != "val_loss"})
+                more = (f"  kl {m['val_kl']:.4f}  agreement {m['val_agreement']:.4f}  on the "
+                        f"teacher's text {m['val_gen_agreement']:.4f}")
             entry["val_loss"] = round(val, 4)
             flag = ""
-            if val < best["val"]:
-                best.update(val=val, step=step, state=copy.deepcopy(model.state_dict()))
+            if score < best["val"]:
+                best.update(val=score, step=step, state=copy.deepcopy(model.state_dict()))
                 flag = " (best)"
-            print(f"step {step:5d}  val loss {val:.4f}  ppl {math.exp(val):.1f}{flag}", flush=True)
+            print(f"step {step:5d}  val loss {val:.4f}  ppl {math.exp(val):.1f}{more}{flag}",
+                  flush=True)
             t_log += time.time() - t_eval  # keep evaluation out of tokens/s
         if len(entry) > 1:
             log.append(entry)
@@ -264,6 +329,8 @@ def train(args, device, command) -> dict:
     final_val = evaluate(model, val_batches, autocast)
     print(f"saved model (bf16, step {best['step']}): train loss {final_train:.4f}, "
           f"val loss {final_val:.4f} (ppl {math.exp(final_val):.1f})", flush=True)
+    if teacher is not None:
+        distilled = dd.final_stats(model, teacher, val_batches, gen_val, pool, args, autocast)
 
     n_new = 24 if args.smoke else 200
     greedy = {p: generate(model, tok, p, n_new, do_sample=False) for p in PROMPTS}
@@ -300,8 +367,11 @@ def train(args, device, command) -> dict:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.date.today().isoformat(), "command": command,
     }
-    (out / "training_log.json").write_text(json.dumps(
-        {"args": vars(args), "config": cfg, "stats": stats, "log": log}, indent=1))
+    record = {"args": vars(args), "config": cfg, "stats": stats, "log": log}
+    if teacher is not None:  # and what --card-only needs to rebuild the card
+        stats.update(distilled)
+        record.update(samples=greedy, n_new=n_new)
+    (out / "training_log.json").write_text(json.dumps(record, indent=1))
     (out / "README.md").write_text(model_card(args, stats, greedy, config, n_new))
     for f in out.iterdir():
         f.chmod(0o644)  # safetensors files are written 0600
@@ -312,7 +382,28 @@ def train(args, device, command) -> dict:
     return stats
 
 
+def init_from(model, path: str) -> None:
+    """Load ``path``'s weights into ``model`` (``--init``); a clear error when they differ.
+
+    Raises:
+        ValueError: no checkpoint there, or one of another shape.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--init {path!r}: no config.json there")
+    src = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs, ours = src.state_dict(), model.state_dict()
+    bad = [k for k in ours if k not in theirs or theirs[k].shape != ours[k].shape]
+    if bad:
+        raise ValueError(f"--init {path!r} does not fit the --preset's architecture "
+                         f"(first mismatch: {bad[0]})")
+    model.load_state_dict({k: theirs[k].to(ours[k].device) for k in ours})
+
+
 def _purpose(args) -> str:
+    if getattr(args, "teacher", None):
+        return _distill().purpose(args)
     if args.preset == "draft":
         return ("A smaller tiny Qwen3 (`Qwen3ForCausalLM`) trained from scratch by mrv2's own script,\n"
                 "`scripts/train_tiny_qwen3.py --preset draft`, on the same data and with the same\n"
@@ -326,10 +417,27 @@ def _purpose(args) -> str:
             "It is a toy, not a useful language model.")
 
 
-def model_card(args, s, greedy, c, n_new) -> str:
+def _distill():
+    """scripts/distill_draft.py (imported on first use: the plain mode never needs it)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import distill_draft
+
+    return distill_draft
+
+
+def model_card(args, s, greedy, c, n_new, acceptance=None) -> str:
     samples = "\n\n".join(f"Prompt `{p}`:\n\n```text\n{t}\n```" for p, t in greedy.items())
     train_ppl = math.exp(s["final_train_loss"])
     reused = "The target's tokenizer, reused (`--tokenizer`):\n" if args.tokenizer else ""
+    kept = f"the best validation loss (step {s['best_step']:,})"
+    distilled = ""
+    if getattr(args, "teacher", None):
+        kept = f"the best validation agreement with the teacher (step {s['best_step']:,})"
+        distilled = _distill().card_section(args, s)
+        if acceptance:
+            distilled += _distill().acceptance_section(acceptance)
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -364,7 +472,7 @@ positions, tied embeddings: **{s['params']:,} parameters**, stored in bf16.
 | steps | {args.steps:,}, batch {args.batch_size} x {args.seq_len} tokens |
 | tokens seen | {s['tokens_seen']:,} |
 | optimizer | AdamW (0.9, 0.95), weight decay 0.1, peak LR {args.lr:g}, {args.warmup} warm-up steps, cosine to 10%, grad clip 1.0 |
-| regularization | residual dropout {args.dropout:g}; the weights kept are those of the best validation loss (step {s['best_step']:,}) |
+| regularization | residual dropout {args.dropout:g}; the weights kept are those of {kept} |
 | final train loss | {s['final_train_loss']:.4f} nats/token (perplexity {train_ppl:.2f}) |
 | final validation loss | {s['final_val_loss']:.4f} nats/token (perplexity {s['final_val_ppl']:.2f}) |
 | wall time | {s['train_seconds']:.0f} s training, {s['tokenizer_seconds']:.0f} s tokenizer and data, {s['total_seconds']:.0f} s in all |
@@ -381,7 +489,7 @@ repository root:
 ```bash
 {s['command']}
 ```
-
+{distilled}
 ## Greedy samples ({n_new} new tokens)
 
 {samples}

@@ -31,7 +31,8 @@ _LOG2E = 1.4426950408889634
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
-                        attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                        attn_metadata: AttentionMetadata, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch reference of :func:`paged_attention` (the executable specification).
 
     Args:
@@ -39,14 +40,18 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
         attn_metadata: where each request's tokens and pages are.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: optional output buffer (as :func:`paged_attention`'s: rows no request covers
+            are left untouched).
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; rows no request covers are 0.
+        ``[num_tokens, num_heads, head_dim]`` in ``q``'s dtype; without ``out``, rows no
+        request covers are 0.
     """
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
+    if out is None:
+        out = torch.zeros_like(q)
     qsl = attn_metadata.query_start_loc.tolist()
     for b, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
         start, end = qsl[b], qsl[b + 1]

@@ -11,18 +11,45 @@ sorted to find it:
   ``Z = sum(exp(s - m))``).
 - min-p: ``p >= min_p * p_max``, a direct comparison once ``m`` and ``Z`` are known.
 
-Both predicates are monotone in ``t``, so the threshold is found by search. The
-search runs over the *integer keys* of fp32 values (the bit pattern, with the low 31
-bits flipped for negatives, orders like the floats), so it ends on an exact logit
-value after at most 32 bits: each pass over the row tests ``NUM_PIVOTS`` candidate
-thresholds at once ([BLOCK_V, NUM_PIVOTS] compares), so 16 pivots need 8 passes.
-One program owns one row (through ``idx_mapping``) and loops over its vocabulary
-blocks: 1 pass for max / min, up to 8 search passes (the first also sums ``Z``; a
-converged bracket skips the rest), 1 pass that writes -inf over the removed logits in
-place. Each thread keeps its own partial counts / masses over a whole pass (one
-cross-thread reduction per pass, not per block), and a row runs only the searches it
-uses (top-k alone counts, top-p alone sums masses, min-p alone one ``Z`` pass). Rows
-with every filter off (or greedy rows) return at once.
+Both predicates are monotone in ``t``, so the threshold is found by search over the
+*integer keys* of fp32 values (the bit pattern, with the low 31 bits flipped for
+negatives, orders like the floats): it ends on an exact logit value after 32 bits,
+``log2(NUM_PIVOTS)`` bits a round (16 pivots: 8 rounds).
+
+The whole GPU works on every pass: a row is cut into ``CHUNK_V``-wide chunks and each
+pass is a grid of (rows x chunks) programs, with a one-program-per-row kernel between
+passes that reduces the per-chunk partials and narrows the row's bracket (the kernels
+are in ``mrv2/kernels/top_k_top_p_chunked.py``):
+
+1. ``_stats_kernel`` (rows x chunks): per chunk its max ``m_c``, smallest finite ``s``,
+   ``sum(exp(s - m_c))`` and the maxima of its ``BLOCK_V``-wide blocks.
+2. ``_init_kernel`` (rows): ``m``, ``Z = sum(z_c * exp(m_c - m))``, and the brackets
+   (lo, key(m)]. lo starts at key(s_min) - 1 and is raised by bisection over the block
+   maxima: if k of them (or ``top_p * Z`` of their mass) lie above ``t``, the row's
+   predicate fails at ``t``. With both filters on, both searches start at the larger lo
+   (only ``max(thresh_k, thresh_p)`` is used). For top-k <= the number of blocks, or a
+   peaked top-p, that leaves a few dozen tokens inside the bracket. A search the maxima
+   did not narrow gets round 0's pivots at log-probability gaps below ``m`` (64 down to
+   1/4 nats) instead of uniform keys. Every round's pivots are stored beside the bracket.
+3. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
+   ``exp(s - m)`` above each of the round's pivots, and finds the smallest / largest
+   key inside each bracket; then ``_narrow_kernel`` (rows) keeps the pivot interval
+   where each predicate flips, cut down to those keys (the answer is a key of the row,
+   so a bracket holding one key has converged).
+4. ``_write_kernel`` (rows x chunks): -inf over the removed logits, in place.
+
+So at most NUM_ROUNDS + 2 reads of the logits and 2 * NUM_ROUNDS + 3 launches, fixed
+grids and no host sync (CUDA-graph safe). A row whose brackets have converged (or that
+is greedy, has every filter off, or uses min-p alone) exits its programs after reading
+a few words, and a block of ``BLOCK_V`` logits with no key inside the bracket skips
+the [BLOCK_V, NUM_PIVOTS] compares (it only adds what lies above the bracket): with a
+tight bracket a round costs about one read of the logits.
+The scratch is ``top_k_top_p_workspace``: pass one in to keep the step path free of
+allocations. ``mrv2/kernels/top_k_top_p_row.py`` holds the one-program-per-row
+version, the default for now everywhere (one launch; under TRITON_INTERPRET also the
+faster one, with fewer programs for the interpreter's Python loop); the chunked search is
+opt-in (``method="chunked"``) until it is timed on a GPU. ``Z`` sums per chunk, so top-p / min-p may differ from the row kernel
+by a token whose mass sits within fp32 rounding of the edge.
 
 Ties exactly at the threshold: every token tied with the threshold value is kept
 (a sort keeps only those that happen to come first). The top token always stays.
@@ -32,151 +59,84 @@ See notebooks/05_gumbel_sampling.ipynb.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
-import triton.language as tl
 
 from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
+from mrv2.kernels.top_k_top_p_chunked import (
+    _count_kernel,
+    _init_kernel,
+    _narrow_kernel,
+    _stats_kernel,
+    _write_kernel,
+)
+from mrv2.kernels.top_k_top_p_row import apply_top_k_top_p_min_p_row
 from mrv2.platform import TRITON_INTERPRET
 
-_GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
-_INT32_MIN: tl.constexpr = tl.constexpr(-2**31)
+
+class TopKTopPWorkspace(NamedTuple):
+    """Scratch of the chunked search, for up to ``bracket.shape[0]`` rows of one vocab."""
+
+    bracket: torch.Tensor   # [R, 4 + 2P] int64: lo_k, hi_k, lo_p, hi_p, the pivots (keys)
+    row_f: torch.Tensor     # [R, 2] float32: m, Z
+    part: torch.Tensor      # [R, NC, W] float32: per chunk (see top_k_top_p_chunked.py)
 
 
-@triton.jit
-def _key(s):
-    # fp32 -> int32 key ordered like the floats (low 31 bits flipped for negatives).
-    bits = s.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
+                    num_pivots: int) -> tuple[int, int, int]:
+    """(block_v, chunk_v, num_chunks) for a vocab, after checking the overrides."""
+    if num_pivots < 2 or num_pivots & (num_pivots - 1):
+        raise ValueError(f"num_pivots must be a power of two >= 2, got {num_pivots}")
+    v2 = triton.next_power_of_2(max(vocab_size, 16))
+    if block_v is None:
+        block_v = min(4096 if TRITON_INTERPRET else 256, v2)
+    if chunk_v is None:
+        chunk_v = max(block_v, min(4096, v2))
+    for name, val in (("block_v", block_v), ("chunk_v", chunk_v)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if chunk_v % block_v:
+        raise ValueError(f"chunk_v ({chunk_v}) must be a multiple of block_v ({block_v})")
+    return block_v, chunk_v, triton.cdiv(vocab_size, chunk_v)
 
 
-@triton.jit
-def _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
-            DO_K: tl.constexpr, DO_P: tl.constexpr,
-            BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, NUM_ROUNDS: tl.constexpr):
-    # The top-k and/or top-p threshold keys (each the smallest key t in (lo, hi] where its
-    # predicate holds: count(s > t) < k, mass(s > t) < top_p * Z), and Z = sum(exp(s - m)).
-    # NOTE: per-thread partial counts/masses [BV, P] are reduced once per pass, not per block.
-    cols0 = tl.arange(0, BLOCK_V)
-    j = (tl.arange(0, NUM_PIVOTS) + 1).to(tl.int64)                           # [P]
-    lo_k = key_min - 1
-    hi_k = key_m
-    lo_p = key_min - 1
-    hi_p = key_m
-    z = 0.0
-    for rnd in range(NUM_ROUNDS):
-        # A converged bracket (hi = lo + 1) needs no pass; round 0 always runs (it sums Z).
-        active = rnd == 0
-        if DO_K:
-            active = active | (hi_k - lo_k > 1)
-        if DO_P:
-            active = active | (hi_p - lo_p > 1)
-        if active:
-            piv_k = (lo_k + ((hi_k - lo_k) * j) // NUM_PIVOTS).to(tl.int32)     # [P]
-            piv_p = (lo_p + ((hi_p - lo_p) * j) // NUM_PIVOTS).to(tl.int32)     # [P]
-            cnt = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.int32)
-            mass = tl.zeros([BLOCK_V, NUM_PIVOTS], dtype=tl.float32)
-            z_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-            for start in range(0, vocab_size, BLOCK_V):
-                cols = start + cols0
-                s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
-                                           other=float("-inf")).to(tl.float32), temp)
-                key = _key(s)[:, None]                                         # [BV, 1]
-                if DO_K:
-                    cnt += (key > piv_k[None, :]).to(tl.int32)                 # [BV, P]
-                if DO_P:
-                    e = tl.exp(s - m)                                          # [BV]
-                    z_acc += e
-                    mass += tl.where(key > piv_p[None, :], e[:, None], 0.0)    # [BV, P]
-                else:
-                    if rnd == 0:
-                        z_acc += tl.exp(s - m)
-            if rnd == 0:
-                z = tl.sum(z_acc, axis=0)
-            # Predicates are monotone along the (non-decreasing) pivots: the first pivot
-            # that holds is the new hi, the last that fails the new lo.
-            if DO_K:
-                found = tl.sum(cnt, axis=0).to(tl.float32) < k.to(tl.float32)   # [P]
-                hi_k = tl.min(tl.where(found, piv_k.to(tl.int64), hi_k), axis=0)
-                lo_k = tl.max(tl.where(found, lo_k, piv_k.to(tl.int64)), axis=0)
-            if DO_P:
-                found = tl.sum(mass, axis=0) < top_p * z
-                hi_p = tl.min(tl.where(found, piv_p.to(tl.int64), hi_p), axis=0)
-                lo_p = tl.max(tl.where(found, lo_p, piv_p.to(tl.int64)), axis=0)
-    if DO_K and DO_P:
-        thresh = tl.maximum(hi_k, hi_p)
-    elif DO_K:
-        thresh = hi_k
-    else:
-        thresh = hi_p
-    return thresh, z
+def _part_width(block_v: int, chunk_v: int, num_pivots: int) -> int:
+    # A round's counts | masses | 4 bracket ends, or the stats pass's block maxima; then
+    # Z's part, max, min.
+    return max(2 * num_pivots + 4, chunk_v // block_v) + 3
 
 
-@triton.jit
-def _top_k_top_p_min_p_kernel(
-    logits_ptr, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # inputs
-    # (outputs: logits_ptr, in place)
-    vocab_size,                                                                      # sizes
-    logits_stride,                                                                   # strides
-    BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, NUM_ROUNDS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    # Stage 1: the row's knobs through idx_mapping; skip rows with nothing to do.
-    req = tl.load(idx_mapping_ptr + b).to(tl.int64)
-    temp = tl.load(temperature_ptr + req)
-    k = tl.load(top_k_ptr + req)
-    top_p = tl.load(top_p_ptr + req)
-    min_p = tl.load(min_p_ptr + req)
-    use_k = (k > 0) & (k < vocab_size)
-    use_p = top_p < 1.0
-    if (temp >= _GREEDY_T) & (use_k | use_p | (min_p > 0.0)):
-        row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
-        cols0 = tl.arange(0, BLOCK_V)
-        # Stage 2: row max m and smallest finite value of s = x / T.
-        m = float("-inf")
-        s_min = float("inf")
-        for start in range(0, vocab_size, BLOCK_V):
-            cols = start + cols0
-            s = tl.math.div_rn(tl.load(row_ptr + cols, mask=cols < vocab_size,
-                                       other=float("-inf")).to(tl.float32), temp)
-            m = tl.maximum(m, tl.max(s, axis=0))
-            s_min = tl.minimum(s_min, tl.min(tl.where(s > float("-inf"), s, float("inf")), axis=0))
-        # Stage 3: the searches the row uses (key(s_min) - 1 fails, key(m) holds).
-        key_m = _key(m).to(tl.int64)
-        key_min = _key(s_min).to(tl.int64)
-        if use_k & use_p:
-            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
-                                True, True, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
-        elif use_k:
-            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
-                                True, False, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
-        else:
-            # top-p alone, or min-p alone (then one round only sums Z; the threshold is off)
-            thresh, z = _search(row_ptr, vocab_size, temp, m, k, top_p, key_min, key_m,
-                                False, True, BLOCK_V, NUM_PIVOTS, NUM_ROUNDS)
-            thresh = tl.where(use_p, thresh, -2**31)
-        # Stage 4: one threshold (the larger of the active ones); the top token stays.
-        thresh = tl.minimum(thresh, key_m).to(tl.int32)
-        # NOTE: min_p <= 0 gives p_floor <= 0, which no probability is below: off for free.
-        p_floor = min_p * (1.0 / z)
-        # Stage 5: write -inf over the removed logits.
-        for start in range(0, vocab_size, BLOCK_V):
-            cols = start + cols0
-            mask = cols < vocab_size
-            s = tl.math.div_rn(tl.load(row_ptr + cols, mask=mask,
-                                       other=float("-inf")).to(tl.float32), temp)
-            drop = _key(s) < thresh
-            drop = drop | (tl.exp(s - m) / z < p_floor)
-            drop = drop & (s < m) & (s > float("-inf"))
-            neg_inf = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            tl.store(row_ptr + cols, neg_inf.to(logits_ptr.dtype.element_ty), mask=mask & drop)
+def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
+                          block_v: int | None = None, chunk_v: int | None = None,
+                          num_pivots: int = 16) -> TopKTopPWorkspace:
+    """Allocate the chunked search's scratch once (e.g. for ``max_num_reqs`` rows).
+
+    Args:
+        num_rows: the most rows a call will pass.
+        vocab_size: the logits' last dim.
+        device: where the logits live.
+        block_v, chunk_v, num_pivots: the same overrides the calls will pass.
+
+    Returns:
+        A ``TopKTopPWorkspace`` for ``apply_top_k_top_p_min_p(..., workspace=)``.
+    """
+    block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
+    return TopKTopPWorkspace(
+        torch.empty(num_rows, 4 + 2 * num_pivots, dtype=torch.int64, device=device),
+        torch.empty(num_rows, 2, dtype=torch.float32, device=device),
+        torch.empty(num_rows, num_chunks, _part_width(block_v, chunk_v, num_pivots),
+                    dtype=torch.float32, device=device))
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                             temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, min_p: torch.Tensor, *,
                             block_v: int | None = None, num_pivots: int = 16,
-                            num_warps: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, chunk_v: int | None = None,
+                            workspace: TopKTopPWorkspace | None = None,
+                            method: str | None = None) -> torch.Tensor:
     """Write -inf, in place, over the logits that top-k / top-p / min-p remove.
 
     Probabilities are those of ``logits / temperature``; greedy rows (temperature
@@ -190,28 +150,64 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
         top_p: ``[R]`` float32 (>= 1: off; the top token always stays).
         min_p: ``[R]`` float32 (<= 0: off).
         block_v, num_pivots, num_warps: launch overrides.
+        chunk_v: logits per program of the chunked search (a multiple of block_v).
+        workspace: scratch from ``top_k_top_p_workspace`` (else allocated per call).
+        method: ``"row"`` (one program per row, one launch: the default) or
+            ``"chunked"`` (rows x chunks programs, 19 launches on fixed grids; opt-in).
 
     Returns:
         ``logits`` itself.
     """
+    if method is None:
+        # NOTE: the chunked search is checked against the references under the interpreter
+        # and compiled for sm_90, but not yet timed on a GPU: it stays opt-in until the
+        # H200 says at which sizes its 19 launches beat the row kernel's one.
+        method = "row"
+    if method not in ("chunked", "row"):
+        raise ValueError(f"method must be 'chunked' or 'row', got {method!r}")
     num_rows, vocab_size = logits.shape
     if num_rows == 0 or vocab_size == 0:
         return logits
     if logits.stride(1) != 1:
         raise ValueError("apply_top_k_top_p_min_p works in place and needs logits with a "
                          f"contiguous last dim, got strides {tuple(logits.stride())}")
-    if num_pivots < 2 or num_pivots & (num_pivots - 1):
-        raise ValueError(f"num_pivots must be a power of two >= 2, got {num_pivots}")
-    if block_v is None:
-        block_v = min(4096 if TRITON_INTERPRET else 512,
-                      triton.next_power_of_2(max(vocab_size, 16)))
-    # The key range spans at most 2**32 values; each pass divides it by num_pivots.
+    if method == "row":
+        return apply_top_k_top_p_min_p_row(logits, idx_mapping, temperature, top_k, top_p,
+                                           min_p, block_v=block_v, num_pivots=num_pivots,
+                                           num_warps=num_warps)
+    block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
+    width = _part_width(block_v, chunk_v, num_pivots)
+    if workspace is None:
+        workspace = top_k_top_p_workspace(num_rows, vocab_size, logits.device, block_v=block_v,
+                                          chunk_v=chunk_v, num_pivots=num_pivots)
+    bracket, row_f, part = workspace
+    if (bracket.shape[0] < num_rows or row_f.shape[0] < num_rows
+            or bracket.shape[1] != 4 + 2 * num_pivots
+            or part.shape[0] < num_rows or tuple(part.shape[1:]) != (num_chunks, width)):
+        raise ValueError(f"workspace has part {tuple(part.shape)} for {bracket.shape[0]} rows; "
+                         f"this call needs >= {num_rows} rows of ({num_chunks}, {width})")
+    # The key range spans at most 2**32 values; each round divides it by num_pivots.
     num_rounds = -(-32 // (num_pivots.bit_length() - 1))
+    nc_pow2 = triton.next_power_of_2(num_chunks)
+    knobs = (idx_mapping, temperature, top_k, top_p, min_p)
+    grid = (num_rows, num_chunks)
     opts = {} if TRITON_INTERPRET else {"num_warps": num_warps or 8}
-    _top_k_top_p_min_p_kernel[(num_rows,)](
-        logits, idx_mapping, temperature, top_k, top_p, min_p,
-        vocab_size, logits.stride(0),
-        BLOCK_V=block_v, NUM_PIVOTS=num_pivots, NUM_ROUNDS=num_rounds, **opts)
+    one = {} if TRITON_INTERPRET else {"num_warps": 4}
+    _stats_kernel[grid](logits, *knobs, part, vocab_size, num_chunks, logits.stride(0),
+                        part.stride(1), CHUNK_V=chunk_v, BLOCK_V=block_v,
+                        PART_STATS=width - 3, **opts)
+    _init_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
+                              part.stride(1), NC_POW2=nc_pow2, NB=chunk_v // block_v,
+                              PART_STATS=width - 3, NUM_PIVOTS=num_pivots, **one)
+    for _ in range(num_rounds):
+        _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks,
+                            logits.stride(0), part.stride(1), CHUNK_V=chunk_v,
+                            BLOCK_V=block_v, NUM_PIVOTS=num_pivots, **opts)
+        _narrow_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
+                                    part.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
+                                    **one)
+    _write_kernel[grid](logits, *knobs, bracket, row_f, vocab_size, logits.stride(0),
+                        CHUNK_V=chunk_v, NUM_PIVOTS=num_pivots, **opts)
     return logits
 
 

@@ -250,7 +250,11 @@ class Qwen3Attention(_PackedLinears):
         q, k = self._rotary[0](positions, q, k, *norms)                         # [T, H(_kv), D]
         # The new keys/values go into the cache first: attention reads prefix AND new tokens.
         write_kv_cache(k, v, self.kv_cache, md.slot_mapping)
-        out = paged_attention(q, self.kv_cache, md, self.scale)                  # [T, H, D]
+        # NOTE: no zero fill (a memset per layer): every token of a request gets its row;
+        # the rows of graph padding tokens stay garbage, and nothing reads them (their KV
+        # slot is -1, their logits are never taken, each row of a GEMM is its own).
+        out = paged_attention(q, self.kv_cache, md, self.scale,
+                              out=torch.empty_like(q))                          # [T, H, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))      # [T, hidden]
 
 

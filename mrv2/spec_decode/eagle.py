@@ -15,9 +15,9 @@ small layer suffices. Per target step, on the device and in stream order:
    come in as the draft model's accepted tokens do: the same step's pass, no bookkeeping.
    The head's output at each request's last valid token (position ``total_len - 2``, the
    pair with the bonus / correction token) gives **draft 1**.
-2. **K - 1 chained single-token steps** (``_chain``: static buffers and ``[B]`` shapes,
-   the seam for CUDA graphs): the head's own output feature and the last draft go back in
-   at the next position. Each draft is sampled with the target's sampler and (seed, position) noise
+2. **the chain** (``_chain``: static buffers and ``[B]`` shapes, the seam for CUDA
+   graphs): draft 1 from the mirror's feature, then K - 1 single-token steps where the
+   head's own output feature and the last draft go back in at the next position. Each draft is sampled with the target's sampler and (seed, position) noise
    (coupled drafts, as ``draft_model.py``), keeping q for ``probabilistic`` verification.
 
 The hidden states come from the runner as the tensor ``ModelState.run`` returned (no copy,
@@ -161,14 +161,13 @@ class EagleProposer(KeptProbs):
             n, hidden = runner.max_num_reqs, self.head.fc.out_features
             self._feat = torch.zeros(n, hidden, dtype=self.head.fc.weight.dtype,
                                      device=self.device)                   # [R_max, H]
-            self._tok = torch.zeros(n, dtype=torch.int64, device=self.device)
             self._pos = torch.zeros(n, dtype=torch.int64, device=self.device)
             self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
             self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
 
     def propose(self, batch, runner, k: int, meta: SamplingMetadata, graph_size=None,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Mirror the target step (draft 1), then K - 1 chained steps; ``[B, K]`` int32.
+        """Mirror the target step, then the chain (drafts 1 .. K); ``[B, K]`` int32.
 
         Args:
             batch: the target step's ``InputBatch`` (its buffers still hold its inputs).
@@ -181,38 +180,25 @@ class EagleProposer(KeptProbs):
         """
         if hidden is None:
             raise ValueError("the EAGLE proposer needs the target's hidden states")
-        state, num_reqs = runner.state, batch.num_reqs
+        num_reqs = batch.num_reqs
         self._static_buffers(runner)
-        idx_mapping = batch.idx_mapping[:num_reqs]
-        rows = idx_mapping.long()
         rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
         self._capacity[:num_reqs].copy_(to_device_async(
             runner.block_tables.num_blocks[rows_np] * self.block_size, self.device))
         feat, pos = self._run_mirror(batch, runner, hidden, graph_size)     # [B, H], [B]
-        logits = self.compute_logits(feat)                                  # [B, V]
-        if meta.needs_top_k_top_p:
-            logits = logits.float()
-        # NOTE: the token sampled from the pair at p sits at p + 2 (the pair's token is at
-        # p + 1): the target's noise at that position, so coupled drafts.
-        tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)  # [B]
-        if self.keep_probs and num_reqs:
-            q = filtered_probs(logits, state.temperature[rows], tok)        # [B, V]
-            self._probs_buffer(state)[rows, 0] = q
-        if k == 1:
-            return tok.to(torch.int32)[:, None]                             # [B, 1]
+        # NOTE: draft 1 (logits of the mirror's feature, its sample) is the chain's first
+        # step, so a graph replays it too: the mirror only fills the chain's inputs.
         self._feat[:num_reqs].copy_(feat)
-        self._tok[:num_reqs].copy_(tok)
         self._pos[:num_reqs].copy_(pos)
         key = (None if self.chain_graphs is None
                else self.chain_graphs.padded_size(num_reqs, num_reqs))
         if key is None:
             max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
-            later = self._chain(runner, k, num_reqs, meta, max_seq_len)     # [B, K - 1]
-        else:  # padding slots: capacity 0, nothing live (their drafts are dropped)
-            self._capacity[num_reqs:key].zero_()
-            later = self.chain_graphs.run(key, lambda: self._chain(
-                runner, k, key, _GRAPH_META, self.max_model_len))[:num_reqs]  # [B, K - 1]
-        return torch.cat([tok.to(torch.int32)[:, None], later], dim=1)      # [B, K]
+            return self._chain(runner, k, num_reqs, meta, max_seq_len)        # [B, K]
+        # Padding slots: capacity 0, nothing live (their drafts are dropped).
+        self._capacity[num_reqs:key].zero_()
+        return self.chain_graphs.run(key, lambda: self._chain(
+            runner, k, key, _GRAPH_META, self.max_model_len))[:num_reqs]     # [B, K]
 
     def _run_mirror(self, batch, runner, hidden: torch.Tensor, graph_size
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,14 +219,14 @@ class EagleProposer(KeptProbs):
 
     def capture_cuda_graphs(self, runner, make_dummy_batch, k: int,
                             progress: bool = False) -> None:
-        """Capture the mirror at every key of the target, and the K - 1 chained steps per
+        """Capture the mirror at every key of the target, and the chain (drafts 1 .. K) per
         decode graph size of the runner (GPU only; ``emulate``: nothing captured).
 
         The mirror's graph of a key reads the target graph's static hidden-state output of
         that key (captured first, ``ModelRunner.capture_cuda_graphs``), as the draft model's
         mirror replays the target's key. Chain graphs sample with the general path (top-k /
-        top-p / min-p on: correct for every row, greedy ones included). The chain's capture
-        is a no-op for K = 1; nothing is captured without the runner's graphs.
+        top-p / min-p on: correct for every row, greedy ones included). Nothing is captured
+        without the runner's graphs.
 
         Args:
             runner: the ``ModelRunner`` (its ``cuda_graphs`` sizes and static buffers).
@@ -260,8 +246,6 @@ class EagleProposer(KeptProbs):
                                        emulate=target.emulate)
         self.graphs.capture(make_dummy_batch, lambda batch, key: self.mirror(
             batch, runner.state, target.graphs[key][1], key), progress=progress)
-        if k == 1:
-            return
         graphs = CudaGraphManager(list(target.sizes), emulate=target.emulate)
 
         def prepare(size: int) -> int:
@@ -276,15 +260,17 @@ class EagleProposer(KeptProbs):
 
     def _chain(self, runner, k: int, num_rows: int, meta: SamplingMetadata,
                max_seq_len: int) -> torch.Tensor:
-        """Steps 2 .. K over the first ``num_rows`` batch slots, from the static buffers.
+        """Drafts 1 .. K over the first ``num_rows`` batch slots, from the static buffers.
 
-        Every input is a fixed buffer (``_feat``, ``_tok``, ``_pos``, ``_capacity``, the
-        runner's ``idx_mapping`` and gathered block table) and every shape is
-        ``[num_rows]``: the body a CUDA graph per padded batch size can capture, as the
-        draft model's chain is (padding slots: capacity 0, nothing live, nothing written).
+        Draft 1 is sampled from the mirror's feature (``_feat``, at ``_pos``); drafts 2 .. K
+        each run the head one position on, with its own output feature and the last draft.
+        Every input is a fixed buffer (``_feat``, ``_pos``, ``_capacity``, the runner's
+        ``idx_mapping`` and gathered block table) and every shape is ``[num_rows]``: the
+        body a CUDA graph per padded batch size can capture, as the draft model's chain is
+        (padding slots: capacity 0, nothing live, nothing written).
 
         Returns:
-            ``[num_rows, K - 1]`` int32 drafts, -1 where not live.
+            ``[num_rows, K]`` int32 drafts, -1 where not live.
         """
         state = runner.state
         idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
@@ -292,23 +278,27 @@ class EagleProposer(KeptProbs):
         capacity = self._capacity[:num_rows]                                # [B]
         query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
         block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
-        feat, tok, pos = self._feat[:num_rows], self._tok[:num_rows], self._pos[:num_rows]
+        feat, pos = self._feat[:num_rows], self._pos[:num_rows]
         temp = state.temperature[rows]                                      # [B]
-        drafts, probs = [], []
-        for _ in range(1, k):
-            pos = pos + 1                                                   # [B]
-            live, pos32, md = one_token_step(
-                runner, idx_mapping, query_start_loc, block_table, pos, capacity,
-                self.max_model_len, max_seq_len)
-            # The head's own feature and the last draft, one position on.
-            feat = self._forward(tok.to(torch.int32), feat, pos32, md)       # [B, H]
+        live = capacity > 0                                                 # [B] real slots
+        drafts, probs, tok = [], [], None
+        for i in range(k):
+            if i > 0:
+                pos = pos + 1                                               # [B]
+                live, pos32, md = one_token_step(
+                    runner, idx_mapping, query_start_loc, block_table, pos, capacity,
+                    self.max_model_len, max_seq_len)
+                # The head's own feature and the last draft, one position on.
+                feat = self._forward(tok.to(torch.int32), feat, pos32, md)   # [B, H]
             logits = self.compute_logits(feat)                              # [B, V]
             if meta.needs_top_k_top_p:
                 logits = logits.float()
+            # NOTE: the token sampled from the pair at p sits at p + 2 (the pair's token is
+            # at p + 1): the target's noise at that position, so coupled drafts.
             tok = runner.sampler.sample_tokens(logits, idx_mapping, state, pos + 2, meta)
             drafts.append(torch.where(live, tok, -1))
             if self.keep_probs:  # the logits are masked in place by top-k / top-p / min-p
                 probs.append(filtered_probs(logits, temp, tok))             # [B, V]
         if self.keep_probs and num_rows:
-            self._store_probs(state, rows, capacity, probs, first=1)        # q of drafts 2..K
-        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K - 1]
+            self._store_probs(state, rows, capacity, probs)                 # q of drafts 1..K
+        return torch.stack(drafts, dim=1).to(torch.int32)                   # [B, K]

@@ -26,6 +26,7 @@ a deliberate V1-style sync kept for the benchmark). See notebooks/09_speculative
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,9 @@ from mrv2.spec_decode.metrics import SpecDecodeStats
 from mrv2.spec_decode.ngram import ngram_propose
 from mrv2.spec_decode.verify import VerifyOutput, probabilistic_verify
 from mrv2.state import to_device_async
+
+#: ``expand``'s cache: the number of (num_scheduled, K_b) batch shapes kept on the device.
+EXPAND_CACHE_SIZE = 32
 
 
 @dataclass
@@ -108,6 +112,10 @@ class SpecDecodeStep:
         self.stats = SpecDecodeStats(self.k)
         self.draft = None
         self.probabilistic = config.verification == "probabilistic"
+        # ``expand``'s device index tensors by (num_scheduled, K_b) of the batch: a run of
+        # uniform decode steps repeats its key, so it pays one copy, not one per step.
+        # NOTE: the cached tensors are only ever read (indices), never written.
+        self._expand_cache: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
         if config.method == "draft_model":
             from mrv2.spec_decode.draft_model import DraftModelProposer
 
@@ -126,7 +134,7 @@ class SpecDecodeStep:
 
     def expand(self, batch, num_scheduled: list[int], num_spec_tokens: dict[str, int]
                ) -> SpecRows:
-        """The step's logits rows (one host->device copy of CPU-known indices; no sync).
+        """The step's logits rows (CPU-known indices, copied once per batch shape; no sync).
 
         Args:
             batch: the step's ``InputBatch``.
@@ -135,19 +143,33 @@ class SpecDecodeStep:
         """
         num_reqs = batch.num_reqs
         ks = [num_spec_tokens.get(r, 0) for r in batch.req_ids]
-        idx = expand_rows_np(num_scheduled, ks, self.k)
-        n = idx["slot"].size
-        packed = np.concatenate([idx["logits_indices"], idx["slot"], idx["back"],
-                                 idx["gather"].ravel(), np.asarray(ks, dtype=np.int64)])
-        dev = to_device_async(packed, self.device)                         # [3N + B(K+2)]
-        logits_indices, slot, back = dev[:n], dev[n:2 * n], dev[2 * n:3 * n]
-        gather = dev[3 * n:3 * n + num_reqs * (self.k + 1)].view(num_reqs, self.k + 1)
-        num_spec = dev[3 * n + num_reqs * (self.k + 1):].to(torch.int32)   # [B]
+        key = (tuple(num_scheduled), tuple(ks))
+        cached = self._expand_cache.get(key)
+        if cached is None:
+            cached = self._expand_indices(num_scheduled, ks, num_reqs)
+            if len(self._expand_cache) >= EXPAND_CACHE_SIZE:
+                self._expand_cache.pop(next(iter(self._expand_cache)))  # the oldest
+            self._expand_cache[key] = cached
+        else:
+            self._expand_cache.move_to_end(key)
+        logits_indices, slot, back, gather, num_spec = cached
         return SpecRows(
             logits_indices=logits_indices,
             idx_mapping=batch.idx_mapping[slot],                            # [N]
             positions=batch.seq_lens[slot].to(torch.int64) - back,          # [N]
             gather=gather, num_spec_tokens=num_spec)
+
+    def _expand_indices(self, num_scheduled: list[int], ks: list[int], num_reqs: int
+                        ) -> tuple[torch.Tensor, ...]:
+        """``expand``'s index tensors on the device (one host->device copy)."""
+        idx = expand_rows_np(num_scheduled, ks, self.k)
+        n = idx["slot"].size
+        packed = np.concatenate([idx["logits_indices"], idx["slot"], idx["back"],
+                                 idx["gather"].ravel(), np.asarray(ks, dtype=np.int64)])
+        dev = to_device_async(packed, self.device)                         # [3N + B(K+2)]
+        gather = dev[3 * n:3 * n + num_reqs * (self.k + 1)].view(num_reqs, self.k + 1)
+        num_spec = dev[3 * n + num_reqs * (self.k + 1):].to(torch.int32)   # [B]
+        return dev[:n], dev[n:2 * n], dev[2 * n:3 * n], gather, num_spec
 
     def verify(self, runner, batch, rows: SpecRows, logits: torch.Tensor, req_rows: list[int]
                ) -> tuple[VerifyOutput, tuple | None]:

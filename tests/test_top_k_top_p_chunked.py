@@ -1,0 +1,218 @@
+"""The chunked (rows x chunks programs) top-k / top-p / min-p search vs the sort reference.
+
+Small vocabularies with small chunks, so a row spans several chunks and a chunk several
+blocks under the interpreter (the GPU default is 4096-wide chunks of 512-wide blocks).
+"""
+
+import pytest
+import torch
+from device_utils import on_device
+from test_top_k_top_p import _knobs as _suite_knobs
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2.kernels.top_k_top_p import (
+    apply_top_k_top_p_min_p,
+    apply_top_k_top_p_min_p_ref,
+    top_k_top_p_workspace,
+)
+from mrv2.platform import DEVICE, HAS_CUDA
+
+apply_top_k_top_p_min_p = on_device(apply_top_k_top_p_min_p)
+
+NEG_INF = float("-inf")
+CHUNKED = {"method": "chunked", "block_v": 64, "chunk_v": 128}
+
+
+def _run(logits, *args, **kw):
+    out = logits.clone()
+    assert apply_top_k_top_p_min_p(out, *args, **kw) is out
+    return out
+
+
+def _knobs(rows):
+    """temperature, top_k, top_p, min_p from per-row tuples."""
+    temp, k, p, mp = zip(*rows)
+    return (torch.tensor(temp), torch.tensor(k, dtype=torch.int32), torch.tensor(p),
+            torch.tensor(mp))
+
+
+def test_mixed_rows_permuted_idx_mapping():
+    """Every filter alone and combined, the extremes, greedy and off rows, in one batch."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 300                                  # 2 full chunks + 44 logits; 5 blocks
+    rows = [  # (temperature, top_k, top_p, min_p)
+        (1.0, 1, 1.0, 0.0),        # k = 1
+        (0.7, vocab, 1.0, 0.0),    # k = V: off
+        (1.0, vocab - 1, 1.0, 0.0),
+        (1.2, -1, 1e-7, 0.0),      # tiny top_p: the top token only
+        (1.0, -1, 0.0, 0.0),       # top_p = 0: the top token only
+        (0.9, -1, 0.6, 0.0),
+        (1.0, -1, 1.0, 0.1),       # min-p alone
+        (1.0, -1, 1.0, 1.0),       # min_p = 1: the top token only
+        (0.8, 9, 0.7, 0.02),       # all three
+        (1.0, 30, 0.9, 0.0),
+        (0.0, 5, 0.5, 0.1),        # greedy: untouched
+        (1.0, 0, 1.0, 0.0),        # all off: untouched
+        (1.3, 4, 1.0, 0.05),
+    ]
+    knobs = _knobs(rows)
+    num_rows = len(rows)
+    logits = torch.randn(num_rows, vocab, generator=g) * 2.5              # tie-free
+    logits[:, 5::17] = NEG_INF                                            # already masked ids
+    logits[4, 200:] = NEG_INF                                             # a masked tail
+    idx = torch.randperm(num_rows, generator=g).to(torch.int32)
+    # batch slot i reads state row idx[i]: lay the logits out so slot i gets row idx[i]'s data
+    out = _run(logits, idx, *knobs, **CHUNKED)
+    ref = apply_top_k_top_p_min_p_ref(logits, idx, *knobs)
+    assert torch.equal(out, ref)
+    slot = {int(r): i for i, r in enumerate(idx)}                         # state row -> slot
+    kept = (out > NEG_INF).sum(1)
+    assert kept[slot[0]] == 1 and kept[slot[3]] == 1 and kept[slot[4]] == 1
+    assert kept[slot[7]] == 1 and kept[slot[12]] == 4
+    for r in (1, 10, 11):                                                 # off / greedy
+        assert torch.equal(out[slot[r]], logits[slot[r]])
+
+
+@pytest.mark.parametrize("num_rows, vocab, block_v, chunk_v, num_pivots", [
+    (1, 100, 32, 64, 16),       # one row, V < 2 chunks, the last chunk half padding
+    (6, 257, 128, 256, 4),      # V = a chunk + 1; 4 pivots: 16 rounds
+    (2, 300, 32, 128, 2),       # 2 pivots: bisection, 32 rounds
+])
+def test_random_rows_equal_reference(num_rows, vocab, block_v, chunk_v, num_pivots):
+    g = torch.Generator().manual_seed(vocab)
+    temp = torch.rand(num_rows, generator=g) + 0.4
+    top_k = torch.randint(1, 40, (num_rows,), generator=g, dtype=torch.int32)
+    top_k[1::3] = -1
+    top_p = torch.rand(num_rows, generator=g) * 0.9 + 0.05
+    top_p[2::3] = 1.0
+    min_p = torch.rand(num_rows, generator=g) * 0.2
+    min_p[::2] = 0.0
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    logits[:, ::11] = NEG_INF
+    idx = torch.arange(num_rows, dtype=torch.int32).flip(0)
+    knobs = (temp, top_k, top_p, min_p)
+    out = _run(logits, idx, *knobs, method="chunked", block_v=block_v, chunk_v=chunk_v,
+               num_pivots=num_pivots)
+    assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+
+
+def test_block_maxima_bounds():
+    """k <= the number of blocks and a peaked top-p start the search from the block maxima;
+    the top values packed into one block (a weak bound) and top_p = 0 still match."""
+    g = torch.Generator().manual_seed(9)
+    vocab = 1024                                 # 4 chunks of 8 blocks: 32 block maxima
+    logits = torch.randn(8, vocab, generator=g) * 3
+    logits[2, 40:60] = torch.linspace(20.0, 15.0, 20)                     # all in one block
+    logits[3, 700:720] = torch.linspace(20.0, 15.0, 20)
+    rows = [(0.6, 20, 0.95, 0.0), (0.6, -1, 0.95, 0.0), (1.0, 12, 1.0, 0.0),
+            (0.6, 30, 0.99, 0.01), (1.0, 5, 0.0, 0.0), (2.0, 32, 0.5, 0.0),
+            (1.0, 200, 0.05, 0.0),     # top-p decides: the top-k search starts above its answer
+            (1.0, 1, 0.999, 0.0)]      # top-k decides: the top-p search starts above its answer
+    knobs = _knobs(rows)
+    idx = torch.arange(8, dtype=torch.int32)
+    out = _run(logits, idx, *knobs, method="chunked", block_v=32, chunk_v=256)
+    assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    assert (out[2] > NEG_INF).sum() == 12 and (out[4] > NEG_INF).sum() == 1
+
+
+def test_the_first_suites_random_knobs():
+    """test_top_k_top_p.py's random knobs (greedy, k >= V, each filter off in ~1/3 rows)."""
+    g = torch.Generator().manual_seed(2500)
+    num_rows, vocab = 10, 2500
+    knobs = _suite_knobs(num_rows + 6, g, vocab)
+    idx = torch.randperm(num_rows + 6, generator=g)[:num_rows].to(torch.int32)
+    logits = torch.randn(num_rows, vocab, generator=g)
+    logits[:, ::13] = NEG_INF
+    out = _run(logits, idx, *knobs, method="chunked", block_v=256, chunk_v=1024)
+    assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+
+
+def test_ties_across_chunks_are_all_kept_and_odd_rows():
+    """Tied values in different chunks, a flat row, a tied top, an all -inf row."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 200
+    logits = (torch.randn(5, vocab, generator=g) * 2).round()            # many exact ties
+    logits[2] = 0.0                                                       # flat
+    logits[3] = -1.0
+    logits[3, [3, 150]] = 2.0                                             # top tied across chunks
+    logits[4] = NEG_INF                                                   # nothing to keep
+    top_k = torch.tensor([7, 25, 3, 1, 2], dtype=torch.int32)
+    one, off = torch.ones(5), torch.zeros(5)
+    idx = torch.arange(5, dtype=torch.int32)
+    out = _run(logits, idx, one, top_k, one, off, **CHUNKED)
+    # expected from torch.topk: everything at least the k-th largest value
+    kth = torch.stack([logits[i].topk(int(top_k[i])).values[-1] for i in range(4)])
+    keep = logits[:4] >= kth[:, None]                                     # [4, V]
+    assert torch.equal(out[:4] > NEG_INF, keep)
+    assert torch.equal(out[:4][keep], logits[:4][keep])
+    assert (out[4] == NEG_INF).all() and (out[2] > NEG_INF).all()
+
+
+def test_workspace_reuse_empty_batch_and_bad_arguments():
+    g = torch.Generator().manual_seed(2)
+    vocab = 150
+    ws = top_k_top_p_workspace(4, vocab, DEVICE, block_v=64, chunk_v=128)
+    knobs = _knobs([(1.0, 3, 0.8, 0.0), (0.9, -1, 0.5, 0.05), (1.0, 10, 1.0, 0.0),
+                    (1.1, 2, 1.0, 0.0)])
+    for num_rows in (3, 2):                                              # fewer rows than ws
+        logits = torch.randn(num_rows, vocab, generator=g) * 2
+        idx = torch.randperm(4, generator=g)[:num_rows].to(torch.int32)
+        out = _run(logits, idx, *knobs, workspace=ws, **CHUNKED)
+        assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    empty = torch.empty(0, vocab)
+    assert apply_top_k_top_p_min_p(empty, torch.empty(0, dtype=torch.int32), *knobs,
+                                   **CHUNKED) is empty
+    logits = torch.randn(2, vocab)
+    idx = torch.arange(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="workspace"):
+        apply_top_k_top_p_min_p(logits, idx, *knobs, workspace=ws, method="chunked",
+                                block_v=32, chunk_v=32)                  # other chunk count
+    with pytest.raises(ValueError, match="chunk_v"):
+        apply_top_k_top_p_min_p(logits, idx, *knobs, method="chunked", block_v=64, chunk_v=96)
+    with pytest.raises(ValueError, match="method"):
+        apply_top_k_top_p_min_p(logits, idx, *knobs, method="sort")
+    with pytest.raises(ValueError, match="num_pivots"):
+        apply_top_k_top_p_min_p(logits, idx, *knobs, method="chunked", num_pivots=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_chunked_matches_row_kernel_and_replays_in_a_cuda_graph(dtype):
+    """256 x 151,936: chunked == the one-program-per-row kernel; a captured graph replays it."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    num_rows, vocab = 256, 151_936
+    logits = (torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3).to(dtype)
+    idx = torch.randperm(num_rows, device=DEVICE, generator=g).to(torch.int32)
+    temp = torch.rand(num_rows, device=DEVICE, generator=g) + 0.3
+    temp[::9] = 0.0
+    top_k = torch.randint(1, 100, (num_rows,), device=DEVICE, generator=g, dtype=torch.int32)
+    top_k[::4] = -1
+    top_p = torch.rand(num_rows, device=DEVICE, generator=g) * 0.5 + 0.5
+    top_p[1::3] = 1.0
+    min_p = torch.where(torch.arange(num_rows, device=DEVICE) % 5 == 0, 0.05, 0.0)
+    knobs = (temp, top_k, top_p, min_p)
+    row = apply_top_k_top_p_min_p(logits.clone(), idx, *knobs, method="row")
+    chunked = apply_top_k_top_p_min_p(logits.clone(), idx, *knobs, method="chunked")
+    # top-p masses are fp32 sums in another order: only the tokens tied at one row's edge
+    # (one value; bf16 has many ties) may differ
+    differ = (row > NEG_INF) != (chunked > NEG_INF)                       # [B, V]
+    for i in differ.any(1).nonzero().flatten().tolist():
+        assert logits[i][differ[i]].float().unique().numel() == 1
+    k_only = apply_top_k_top_p_min_p(logits.clone(), idx, temp, top_k, torch.ones_like(top_p),
+                                     torch.zeros_like(min_p), method="chunked")
+    k_row = apply_top_k_top_p_min_p(logits.clone(), idx, temp, top_k, torch.ones_like(top_p),
+                                    torch.zeros_like(min_p), method="row")
+    assert torch.equal(k_only, k_row)
+    ws = top_k_top_p_workspace(num_rows, vocab, DEVICE)
+    work = logits.clone()
+    apply_top_k_top_p_min_p(work, idx, *knobs, workspace=ws)             # compile outside
+    graph = torch.cuda.CUDAGraph()
+    work.copy_(logits)
+    with torch.cuda.graph(graph):
+        apply_top_k_top_p_min_p(work, idx, *knobs, workspace=ws)
+    work.copy_(logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(work, chunked)
