@@ -144,12 +144,17 @@ def _patch_language_once() -> bool:
     if not callable(original) or getattr(original, "_mrv2_kept", False):
         return callable(original)
     patched: set[frozenset[int]] = set()
+    seen: set[tuple[int, int]] = set()  # (globals dict, its size) already looked at
 
     def patch_lang_once(fn):
-        modules = frozenset(id(v) for v in fn.__globals__.values() if isinstance(v, type(sys)))
-        if modules not in patched:
-            original(fn)  # its scope is dropped: the patch stays for the process
-            patched.add(modules)
+        key = (id(fn.__globals__), len(fn.__globals__))
+        if key not in seen:  # NOTE: a module's globals change size when names are added
+            modules = frozenset(id(v) for v in fn.__globals__.values()
+                                if isinstance(v, type(sys)))
+            if modules not in patched:
+                original(fn)  # its scope is dropped: the patch stays for the process
+                patched.add(modules)
+            seen.add(key)
         return _KeptPatch()
 
     patch_lang_once._mrv2_kept = True
@@ -159,6 +164,11 @@ def _patch_language_once() -> bool:
 
 if TRITON_INTERPRET:
     _patch_language_once()
+    # ``MRV2_INTERPRETER_FAST=0`` keeps Triton's own interpreter frontend (same results).
+    if os.environ.get("MRV2_INTERPRETER_FAST", "1") != "0":
+        from mrv2 import interpreter_fast
+
+        interpreter_fast.install()
 
 #: The device every mrv2 tensor lives on.
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")

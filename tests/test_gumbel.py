@@ -130,14 +130,16 @@ def test_hash_words_look_uniform():
     (33, 2048, 512, 8, 0.5),         # V a multiple, greedy rows mixed in
     (5, 100, 1024, None, 1.0),       # all greedy
 ])
-def test_sample_equals_reference(num_rows, vocab, block_v, block_b, greedy_frac):
+@pytest.mark.parametrize("bound", [None, True, False])
+def test_sample_equals_reference(num_rows, vocab, block_v, block_b, greedy_frac, bound):
     g = _gen(num_rows)
     num_state_rows = num_rows + 9
     temp, seed = _state(num_state_rows, g, greedy_frac)
     idx_mapping = torch.randperm(num_state_rows, generator=g)[:num_rows].to(torch.int32)
     logits = torch.randn(num_rows, vocab, generator=g) * 2
     pos = torch.randint(0, 5000, (num_rows,), generator=g)
-    out = gumbel_sample(logits, idx_mapping, temp, seed, pos, block_v=block_v, block_b=block_b)
+    out = gumbel_sample(logits, idx_mapping, temp, seed, pos, block_v=block_v, block_b=block_b,
+                        bound=bound)
     assert out.dtype == torch.int64
     assert torch.equal(out, gumbel_sample_ref(logits, idx_mapping, temp, seed, pos))
     greedy = temp[idx_mapping.long()] == 0

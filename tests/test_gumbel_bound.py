@@ -89,11 +89,15 @@ def test_fast_path_and_fallback_both_equal_the_reference():
     idx = torch.arange(num_rows, dtype=torch.int32)
     fallback = _fallback_rows_ref(logits, idx, temp, seed, pos, block_v)
     assert fallback.any() and (~fallback).sum() > num_rows // 2   # both paths are exercised
-    out = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=1)
+    # NOTE: bound=True: the interpreter skips the bound on small tiles by default.
+    out = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=1, bound=True)
     assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))
     # the same rows, several per program (any fallback in a tile takes the whole tile)
-    out4 = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=4)
+    out4 = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=4, bound=True)
     assert torch.equal(out4, out)
+    # and every logit's exact score, without the bound (the interpreter's small tiles)
+    assert torch.equal(gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v,
+                                     bound=False), out)
 
 
 def test_one_block_and_one_row():
@@ -101,5 +105,7 @@ def test_one_block_and_one_row():
     logits = torch.randn(1, 100, generator=g)
     temp, seed = torch.tensor([0.7]), torch.tensor([5], dtype=torch.int64)
     pos, idx = torch.tensor([3]), torch.zeros(1, dtype=torch.int32)
-    out = gumbel_sample(logits, idx, temp, seed, pos, block_v=128, block_b=1)  # SINGLE_BLOCK
-    assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))
+    for bound in (True, False):
+        out = gumbel_sample(logits, idx, temp, seed, pos, block_v=128, block_b=1,  # SINGLE_BLOCK
+                            bound=bound)
+        assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))

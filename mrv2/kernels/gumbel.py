@@ -90,6 +90,8 @@ _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 # g <= -log(~hi / 2**32) = 32 ln 2 - log(~hi); ~hi = 0 (w >= 2**-65) is floored at 2**-34.
 _G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
 _HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
+#: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
+EXACT_TILE = 1 << 14
 
 
 def _launch_options() -> dict:
@@ -340,7 +342,7 @@ def _gumbel_block_argmax_kernel(
     num_rows, vocab_size,                                                # sizes
     logits_stride, partial_stride,                                       # strides
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-    FAST_LOG: tl.constexpr,
+    FAST_LOG: tl.constexpr, BOUND: tl.constexpr,
 ):
     pid_v = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
@@ -362,24 +364,31 @@ def _gumbel_block_argmax_kernel(
         pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         k1, k2 = _row_keys(seed, pos)
         safe_t = tl.where(greedy, 1.0, temp)
-        hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF  # [BB, BV]
-        g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
-        ub = tl.where(greedy[:, None], x, x * (1.0 / safe_t)[:, None] + g_max)
-        ub_best = tl.max(ub, axis=1)                                          # [BB]
-        best_idx = tl.min(tl.where(ub == ub_best[:, None], cols[None, :], _INT32_MAX), axis=1)
-        # The exact score of that one logit (the same IEEE steps as the full path below).
-        star_ok = row_mask & (best_idx < vocab_size)
-        x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
-                         mask=star_ok, other=float("-inf")).to(tl.float32)   # [BB]
-        h_s, l_s = _hash_words(k1, k2, best_idx)
-        best = tl.where(greedy, x_star,
-                        tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
-        # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
-        # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
-        # scores strictly below best, so one candidate left means it is the block's argmax.
-        slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
-        n_cand = tl.sum((ub >= (best - slack)[:, None]).to(tl.int32), axis=1)
-        done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
+        if BOUND:
+            hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF  # [BB, BV]
+            g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
+            ub = tl.where(greedy[:, None], x, x * (1.0 / safe_t)[:, None] + g_max)
+            ub_best = tl.max(ub, axis=1)                                      # [BB]
+            best_idx = tl.min(tl.where(ub == ub_best[:, None], cols[None, :], _INT32_MAX),
+                              axis=1)
+            # The exact score of that one logit (the same IEEE steps as the full path below).
+            star_ok = row_mask & (best_idx < vocab_size)
+            x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
+                             mask=star_ok, other=float("-inf")).to(tl.float32)  # [BB]
+            h_s, l_s = _hash_words(k1, k2, best_idx)
+            best = tl.where(greedy, x_star,
+                            tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
+            # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
+            # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
+            # scores strictly below best, so one candidate left means it is the argmax.
+            slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
+            n_cand = tl.sum((ub >= (best - slack)[:, None]).to(tl.int32), axis=1)
+            done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
+        else:  # NOTE: the interpreter pays per operation: small tiles skip the bound
+            done = row_mask & ~row_mask
+            # (defined in both branches, as a compiled kernel needs; the exact path sets them)
+            best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+            best_idx = tl.zeros([BLOCK_B], dtype=tl.int32)
         if tl.sum((row_mask & ~done).to(tl.int32), axis=0) > 0:
             # Rare (near-ties, many logits close to the top): every logit's exact score.
             hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
@@ -425,7 +434,7 @@ def _argmax_reduce_kernel(
 def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor,
                   seed: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None, *,
                   block_v: int | None = None, block_b: int | None = None,
-                  num_warps: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, bound: bool | None = None) -> torch.Tensor:
     """Sample one token per row by Gumbel-max, without a softmax and without a CPU sync.
 
     Row ``b`` (state row ``r = idx_mapping[b]``) takes ``argmax(logits[b])`` when
@@ -441,6 +450,9 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         pos: ``[B]`` int64 absolute position of the token each row samples.
         out: optional ``[B]`` int64 to write into.
         block_v, block_b, num_warps: launch overrides (defaults suit the platform).
+        bound: find each block's candidate by the one-word bound first (``None``: always
+            on the GPU; in the interpreter only for tiles over ``EXACT_TILE`` logits).
+            The ids are the same either way.
 
     Returns:
         ``[B]`` int64 token ids (``out`` when given), on the logits' device.
@@ -461,6 +473,11 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     fast_log = not TRITON_INTERPRET and torch.version.hip is None
     if num_warps is not None or not TRITON_INTERPRET:
         opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
+    if bound is None:
+        # NOTE: the interpreter pays per operation: on a small tile the exact score of
+        # every logit (fewer, wider ops) is cheaper than the bound and its second stage.
+        bound = not TRITON_INTERPRET or block_b * block_v > EXACT_TILE
+    opts["BOUND"] = bound
     if num_blocks == 1:
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,
