@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.exercises.checks import ExerciseFailed, _first_diff
+from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_kernel
 from mrv2.kernels.logprobs import compute_topk_logprobs_ref
 
 _ATOL = 1e-4
@@ -72,8 +72,7 @@ def check_sampled_logprobs_kernel(kernel, seed: int = 0) -> None:
         ExerciseFailed: on the first case with a wrong rank or a logprob off by more than
             1e-4 (or when the launch raises).
     """
-    if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    _require_kernel(kernel)
     cases = _logprob_cases(torch.Generator().manual_seed(seed))
     for name, logits, sampled in cases:
         n, v = logits.shape

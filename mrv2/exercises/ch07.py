@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import triton
 
-from mrv2.exercises.checks import ExerciseFailed, _first_diff
+from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_kernel
 from mrv2.kernels.input_prep import post_update_ref
 
 BLOCK = 4
@@ -105,8 +105,7 @@ def check_post_update_kernel(kernel, seed: int = 0) -> None:
         TypeError: ``kernel`` is not a Triton kernel.
         ExerciseFailed: on the first case where a state tensor differs (or the launch raises).
     """
-    if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    _require_kernel(kernel)
     cases = _post_cases(np.random.default_rng(seed))
     for name, table, step in cases:
         mine = {k: torch.from_numpy(v.copy()) for k, v in table.items()}

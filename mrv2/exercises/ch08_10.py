@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
-from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_callable
+from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_callable, _require_kernel
 from mrv2.kernels.block_table import compute_slot_mappings_ref
 from mrv2.kernels.input_prep import prepare_inputs_ref
 
@@ -204,8 +204,7 @@ def check_accept_kernel(kernel, seed: int = 0) -> None:
 
     from mrv2.spec_decode.accept_rows import exact_accept_rows_ref
 
-    if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    _require_kernel(kernel)
     cases = _accept_cases(torch.Generator().manual_seed(seed))
     for name, (drafts, idx, target, num_spec) in cases:
         b, k = idx.shape[0], drafts.shape[1]

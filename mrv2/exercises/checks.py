@@ -23,6 +23,12 @@ class ExerciseFailed(AssertionError):
     """The learner's code gave a wrong answer (or raised) on one case; the message says which."""
 
 
+def _require_kernel(kernel) -> None:
+    """``TypeError`` unless ``kernel`` is a Triton kernel (something ``kernel[grid]`` launches)."""
+    if not hasattr(kernel, "__getitem__"):
+        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+
+
 def _require_callable(fn, name: str) -> None:
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
@@ -96,8 +102,7 @@ def check_slot_mapping_kernel(kernel, seed: int = 0) -> None:
         TypeError: ``kernel`` is not a Triton kernel.
         ExerciseFailed: on the first case with a wrong slot (or when the launch raises).
     """
-    if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    _require_kernel(kernel)
     block_size = 4
     cases = _slot_cases(np.random.default_rng(seed), block_size)
     for name, inp in cases:
@@ -243,8 +248,7 @@ def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> None:
     """
     import triton  # after mrv2: on a CPU the interpreter is already switched on
 
-    if not hasattr(kernel, "__getitem__"):
-        raise TypeError(f"kernel must be a @triton.jit function, got {type(kernel).__name__}")
+    _require_kernel(kernel)
     gen = torch.Generator().manual_seed(seed)
     cases = _gumbel_cases(gen)
     for name, logits, temp in cases:
