@@ -51,7 +51,7 @@ def _greedy_inputs():
     ids = [LOOP, LOOP * 3, [814, 26], [rng.randrange(1, 2048) for _ in range(20)],
            (LOOP * 4)[:50]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for n in (12, 10, 8, 6)] + [SamplingParams(temperature=0, ignore_eos=True)]
+              for n in (20, 16, 12, 10)] + [SamplingParams(temperature=0, ignore_eos=True)]
     return [{"prompt_token_ids": p} for p in ids], params
 
 
