@@ -131,6 +131,70 @@ def test_qk_norm_rope_matches_reference(num_tokens, num_q_heads, num_kv_heads, h
     torch.testing.assert_close(k_out, k_ref, **TOL)
 
 
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim,block_size", [
+    (1, 4, 2, 64, 16),     # one token
+    (9, 14, 2, 16, 4),     # 14 q heads; tokens cross block boundaries
+    (37, 16, 8, 128, 16),  # Qwen3-0.6B's heads, several programs under the interpreter
+    (4, 3, 1, 12, 2),      # half a head (6) not a power of two
+])
+@pytest.mark.parametrize("use_norm,gpu_tiles", [(True, False), (False, False), (True, True)])
+def test_qk_norm_rope_writes_kv_cache_as_rope_then_write_kv(num_tokens, num_q_heads,
+                                                             num_kv_heads, head_dim,
+                                                             block_size, use_norm, gpu_tiles,
+                                                             monkeypatch):
+    """With kv_cache: q as before, and the cache exactly as qk_norm_rope_ref followed by
+    write_kv_cache_ref (padding slots -1 untouched, the rest of the cache untouched);
+    ``gpu_tiles``: the GPU's launch (one token per program) run by the interpreter."""
+    from mrv2.kernels.kv_cache import write_kv_cache_ref
+
+    if gpu_tiles:
+        monkeypatch.setattr(rotary, "TRITON_INTERPRET", False)
+
+    max_position, num_blocks = 64, 24
+    cache = _cos_sin_cache(head_dim, max_position)
+    qkv = _randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim)  # views, as the model
+    q = qkv[:, :num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim:(num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    g = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, max_position, (num_tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    if num_tokens > 2:
+        slots[1] = -1                                # a padding token
+    slots = slots.to(DEVICE)
+    w = (_randn(head_dim, seed=3), _randn(head_dim, seed=4)) if use_norm else (None, None)
+    kv = _randn(2, num_blocks, block_size, num_kv_heads, head_dim, seed=9)  # stale contents
+    want = kv.clone()
+    q_ref, k_ref = qk_norm_rope_ref(q, k, positions, cache, *w, eps=1e-6)
+    write_kv_cache_ref(k_ref, v, want, slots)
+    q_out, none = qk_norm_rope(q, k, positions, cache, *w, eps=1e-6, v=v, kv_cache=kv,
+                               slot_mapping=slots)
+    assert none is None
+    torch.testing.assert_close(q_out, q_ref, **TOL)
+    torch.testing.assert_close(kv, want, **TOL)
+
+
+def test_qk_norm_rope_kv_cache_errors_and_empty_batch(monkeypatch):
+    q, k, v = _randn(3, 4, 16), _randn(3, 2, 16, seed=1), _randn(3, 2, 16, seed=2)
+    cache, positions = _cos_sin_cache(16, 8), torch.arange(3, device=DEVICE)
+    kv = torch.zeros(2, 4, 4, 2, 16, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="needs v and slot_mapping"):
+        qk_norm_rope(q, k, positions, cache, kv_cache=kv, slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping must have shape"):
+        qk_norm_rope(q, k, positions, cache, v=v, kv_cache=kv, slot_mapping=slots[:2])
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        qk_norm_rope(q, k, positions, cache, v=v, kv_cache=kv[0], slot_mapping=slots)
+    with pytest.raises(ValueError, match="contiguous"):
+        qk_norm_rope(q, k, positions, cache, v=v, kv_cache=kv.transpose(1, 2),
+                     slot_mapping=slots)
+    monkeypatch.setattr(rotary, "_qk_norm_rope_kernel", _NoLaunch())
+    q_out, none = qk_norm_rope(q[:0], k[:0], positions[:0], cache, v=v[:0], kv_cache=kv,
+                               slot_mapping=slots[:0])
+    assert q_out.shape == (0, 4, 16) and none is None and not kv.any()
+
+
 def test_qk_norm_rope_of_views_into_fused_qkv():
     # q and k as views of one [T, (H_q + 2 H_kv) * D] projection (token stride != H * D),
     # and a q whose dims are strided (copied first).

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mrv2.kernels.kv_cache import _check as _check_kv
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
@@ -71,10 +72,26 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
+def _cache_rows(slot_mapping_ptr, tok, r, row_ok, c, stride_cb, stride_co,
+                NUM_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # Where rows (token, head) of a tile go in a paged cache [.., blocks, PAGE, H, 2 HALF]
+    # (heads and dims packed): offsets [BLOCK_R, BLOCK_HALF] and the rows to write
+    # (slot -1: a padding token, nothing written).
+    slot = tl.load(slot_mapping_ptr + tok, mask=row_ok, other=-1)             # [BLOCK_R]
+    ok = row_ok & (slot >= 0)
+    slot = tl.where(ok, slot, 0).to(tl.int64)
+    base = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_co \
+        + (r % NUM_HEADS) * (2 * HALF)
+    return base[:, None] + c[None, :], ok
+
+
+@triton.jit
 def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
                      num_tokens, eps, stride_xt, stride_cp,
+                     slot_mapping_ptr, stride_cb, stride_co,
                      NUM_HEADS: tl.constexpr, HALF: tl.constexpr, USE_NORM: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     TO_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr):
     # One [BLOCK_R, BLOCK_HALF] tile: its rows are the heads of BLOCK_T tokens, its columns
     # half a head, so x1 and x2 below are the two halves RoPE pairs up.
     r = tl.arange(0, BLOCK_R)                                           # [BLOCK_R]
@@ -108,35 +125,80 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
     cos = tl.load(cs, mask=cs_mask, other=0.0)
     sin = tl.load(cs + HALF, mask=cs_mask, other=0.0)
 
-    # Rotate and store into the contiguous output: row (token, head) is row r of this tile.
-    dst = out_ptr + (pid * (BLOCK_T * NUM_HEADS) + r)[:, None] * (2 * HALF) + c[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    # Rotate, round to the input dtype (as the unfused output is), and store: into the
+    # contiguous output (row (token, head) is row r of this tile), or into the token's
+    # slot of the paged KV cache, in the cache's dtype.
+    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    if TO_CACHE:
+        off, ok = _cache_rows_body(slot_mapping_ptr, tok, r, row_ok, c, stride_cb, stride_co,
+                                   NUM_HEADS, HALF, PAGE_SIZE)
+        keep = ok[:, None] & (c < HALF)[None, :]
+        tl.store(out_ptr + off, y1.to(out_ptr.dtype.element_ty), mask=keep)
+        tl.store(out_ptr + off + HALF, y2.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        dst = out_ptr + (pid * (BLOCK_T * NUM_HEADS) + r)[:, None] * (2 * HALF) + c[None, :]
+        tl.store(dst, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_v_heads(v_ptr, cache_ptr, slot_mapping_ptr, pid, num_tokens, stride_vt,
+                  stride_cb, stride_co,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # The values of BLOCK_T tokens into their cache slots (the tile layout of the k pass).
+    r = tl.arange(0, BLOCK_R)                                           # [BLOCK_R]
+    tok = pid * BLOCK_T + r // NUM_HEADS
+    row_ok = (r < BLOCK_T * NUM_HEADS) & (tok < num_tokens)
+    c = tl.arange(0, BLOCK_HALF)                                        # [BLOCK_HALF]
+    src = v_ptr + (tok * stride_vt + (r % NUM_HEADS) * (2 * HALF))[:, None] + c[None, :]
+    off, ok = _cache_rows_body(slot_mapping_ptr, tok, r, row_ok, c, stride_cb, stride_co,
+                               NUM_HEADS, HALF, PAGE_SIZE)
+    keep = ok[:, None] & (c < HALF)[None, :]
+    dt = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + off, tl.load(src, mask=keep, other=0.0).to(dt), mask=keep)
+    tl.store(cache_ptr + off + HALF, tl.load(src + HALF, mask=keep, other=0.0).to(dt),
+             mask=keep)
 
 
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches triton.language
 # (~1.5 ms a call); the kernel calls the helper's plain Python body there (see attention.py).
+_cache_rows_body = interpreter_body(_cache_rows)
 _norm_rope_heads_body = interpreter_body(_norm_rope_heads)
+_copy_v_heads_body = interpreter_body(_copy_v_heads)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,   # inputs
-    q_out_ptr, k_out_ptr,                                                   # outputs
+    v_ptr, slot_mapping_ptr,                                                # (WRITE_KV)
+    q_out_ptr, k_out_ptr,                          # outputs (WRITE_KV: k_out = kv_cache)
     num_tokens, eps,                                                        # sizes
-    stride_qt, stride_kt, stride_cp,                                        # strides
+    stride_qt, stride_kt, stride_cp, stride_vt,                             # strides
+    stride_ckv, stride_cb, stride_co,                                       # (WRITE_KV)
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     USE_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_RQ: tl.constexpr,
     BLOCK_RK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    WRITE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    # One program, BLOCK_T tokens: first all their q heads, then all their k heads.
+    # One program, BLOCK_T tokens: first all their q heads, then all their k heads (with
+    # WRITE_KV straight into their KV-cache slots, then their v heads beside them).
     pid = tl.program_id(0)
     _norm_rope_heads_body(q_ptr, q_out_ptr, q_weight_ptr, positions_ptr, cos_sin_ptr, pid,
                           num_tokens, eps, stride_qt, stride_cp,
-                          NUM_Q_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RQ, BLOCK_HALF)
+                          slot_mapping_ptr, stride_cb, stride_co,
+                          NUM_Q_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RQ, BLOCK_HALF,
+                          False, PAGE_SIZE)
     _norm_rope_heads_body(k_ptr, k_out_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr, pid,
                           num_tokens, eps, stride_kt, stride_cp,
-                          NUM_KV_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RK, BLOCK_HALF)
+                          slot_mapping_ptr, stride_cb, stride_co,
+                          NUM_KV_HEADS, HALF, USE_NORM, BLOCK_T, BLOCK_RK, BLOCK_HALF,
+                          WRITE_KV, PAGE_SIZE)
+    if WRITE_KV:
+        _copy_v_heads_body(v_ptr, k_out_ptr + stride_ckv, slot_mapping_ptr, pid, num_tokens,
+                           stride_vt, stride_cb, stride_co,
+                           NUM_KV_HEADS, HALF, BLOCK_T, BLOCK_RK, BLOCK_HALF, PAGE_SIZE)
 
 
 def _check(q, k, positions, cos_sin_cache, q_weight, k_weight) -> None:
@@ -161,9 +223,15 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
-                 k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                 v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head RMSNorm (optional) then RoPE of q and k, in one kernel launch (Triton).
+
+    With ``kv_cache`` the same launch also does ``write_kv_cache``'s work: the rotated
+    keys go straight into their slots of the paged cache (no ``k_out``), the values beside
+    them; the KV write's own launch disappears.
 
     Args:
         q: ``[T, H_q, D]`` queries; any token stride (e.g. a view of a fused projection),
@@ -176,19 +244,32 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         q_weight: ``[D]`` q-norm weight, or ``None`` for no q/k-norm (Llama, Qwen2).
         k_weight: ``[D]`` k-norm weight; ``None`` exactly when ``q_weight`` is.
         eps: the norms' epsilon.
+        v: ``[T, H_kv, D]`` values (with ``kv_cache``), same rules as ``k``.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` contiguous, written in place at
+            ``slot_mapping`` (as ``mrv2.kernels.kv_cache.write_kv_cache``).
+        slot_mapping: ``[T]`` int64 cache slot per token; -1: padding, not written.
 
     Returns:
-        ``(q_out, k_out)``: new contiguous tensors shaped and typed as ``q`` and ``k``.
+        ``(q_out, k_out)``: new contiguous tensors shaped and typed as ``q`` and ``k``;
+        with ``kv_cache``, ``(q_out, None)``.
     """
     _check(q, k, positions, cos_sin_cache, q_weight, k_weight)
+    write_kv = kv_cache is not None
+    if write_kv:
+        if v is None or slot_mapping is None:
+            raise ValueError("kv_cache needs v and slot_mapping")
+        _check_kv(k, v, kv_cache, slot_mapping)
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous to be written by qk_norm_rope")
+        v = _rows_contiguous(v)
     q, k = _rows_contiguous(q), _rows_contiguous(k)
     cos_sin_cache = cos_sin_cache.contiguous()          # a no-op for the model's buffer
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    k_out = kv_cache if write_kv else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:                                  # an empty batch launches nothing
-        return q_out, k_out
+        return q_out, None if write_kv else k_out
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     if TRITON_INTERPRET:
@@ -199,15 +280,19 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         block_t = 1
         num_warps = min(max(triton.next_power_of_2(num_q_heads) * block_half // 256, 1), 8)
     use_norm = q_weight is not None
+    cache_strides = kv_cache.stride()[:3] if write_kv else (0, 0, 0)   # kv, block, offset
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, q_weight if use_norm else q, k_weight if use_norm else k, positions,
         cos_sin_cache,
+        v if write_kv else k, slot_mapping if write_kv else positions,
         q_out, k_out,
         num_tokens, eps,
-        q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+        q.stride(0), k.stride(0), cos_sin_cache.stride(0), v.stride(0) if write_kv else 0,
+        *cache_strides,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, USE_NORM=use_norm,
         BLOCK_T=block_t, BLOCK_RQ=triton.next_power_of_2(block_t * num_q_heads),
         BLOCK_RK=triton.next_power_of_2(block_t * num_kv_heads), BLOCK_HALF=block_half,
+        WRITE_KV=write_kv, PAGE_SIZE=kv_cache.shape[2] if write_kv else 1,
         num_warps=num_warps,
     )
-    return q_out, k_out
+    return q_out, None if write_kv else k_out

@@ -185,14 +185,24 @@ class Qwen3RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: Qwen3RMSNorm | None = None, k_norm: Qwen3RMSNorm | None = None):
+                q_norm: Qwen3RMSNorm | None = None, k_norm: Qwen3RMSNorm | None = None,
+                v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+                slot_mapping: torch.Tensor | None = None):
         """Per-head q/k-norm (when given), then RoPE of ``q [T, H, D]`` and ``k [T, H_kv, D]``:
-        one launch for both (mrv2/kernels/rotary.py), fp32 math, input dtypes out."""
-        fn = qk_norm_rope if FUSED_KERNELS else qk_norm_rope_ref
-        if q_norm is None:
-            return fn(q, k, positions, self.cos_sin_cache)
-        return fn(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight,
-                  q_norm.variance_epsilon)
+        one launch for both (mrv2/kernels/rotary.py), fp32 math, input dtypes out.
+
+        With ``kv_cache`` (and ``v``, ``slot_mapping``) the keys and values also go into
+        the paged cache, in the same launch when the fused kernels are on; then the
+        result is ``(q, None)``."""
+        norm = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
+        if FUSED_KERNELS:
+            return qk_norm_rope(q, k, positions, self.cos_sin_cache, *norm, v=v,
+                                kv_cache=kv_cache, slot_mapping=slot_mapping)
+        q, k = qk_norm_rope_ref(q, k, positions, self.cos_sin_cache, *norm)
+        if kv_cache is None:
+            return q, k
+        write_kv_cache(k, v, kv_cache, slot_mapping)
+        return q, None
 
 
 class Qwen3Attention(_PackedLinears):
@@ -247,9 +257,10 @@ class Qwen3Attention(_PackedLinears):
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
         norms = (self.q_norm, self.k_norm) if self.use_qk_norm else (None, None)
-        q, k = self._rotary[0](positions, q, k, *norms)                         # [T, H(_kv), D]
         # The new keys/values go into the cache first: attention reads prefix AND new tokens.
-        write_kv_cache(k, v, self.kv_cache, md.slot_mapping)
+        # NOTE: one launch with the RoPE above when the fused kernels are on (no k_out).
+        q, _ = self._rotary[0](positions, q, k, *norms, v=v, kv_cache=self.kv_cache,
+                               slot_mapping=md.slot_mapping)                    # [T, H, D]
         # NOTE: no zero fill (a memset per layer): every token of a request gets its row;
         # the rows of graph padding tokens stay garbage, and nothing reads them (their KV
         # slot is -1, their logits are never taken, each row of a GEMM is its own).
