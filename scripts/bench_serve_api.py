@@ -249,7 +249,7 @@ def measure_app(clients: int, requests: int, tokens: int, step_ms: float = 2.0) 
             "wall_s": wall, "steps": steps, "tokens_per_chunk": toks / max(chunks, 1),
             "app_cpu_s": cpu, "app_cpu_us_per_chunk": 1e6 * cpu / max(chunks, 1),
             "app_cpu_us_per_token": 1e6 * cpu / toks,
-            "app_cpu_us_per_request": 1e6 * cpu / (clients * requests)}
+            "app_cpu_ms_per_request": 1e3 * cpu / (clients * requests)}
 
 
 def _spy(pid: int, out: str) -> list:
@@ -283,7 +283,8 @@ def main(argv=None) -> int:
             print(f"{r['clients']:4d} clients (app in process): {r['tokens_per_chunk']:5.2f} "
                   f"tok/chunk | app CPU {r['app_cpu_us_per_token']:5.1f} us/token "
                   f"{r['app_cpu_us_per_chunk']:5.1f} us/chunk "
-                  f"{r['app_cpu_us_per_request']:6.0f} us/request", flush=True)
+                  f"({r['app_cpu_ms_per_request']:4.1f} ms a request of {a.tokens} tokens)",
+                  flush=True)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)

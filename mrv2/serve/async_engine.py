@@ -101,13 +101,17 @@ class IncrementalText:
 
     def add(self, d: _Delta) -> str:
         """The new text of ``d`` (everything left once the completion finished)."""
+        return self.add_ids(d.token_ids, d.final_text)
+
+    def add_ids(self, token_ids: list[int], final_text: str | None) -> str:
+        """The new text after ``token_ids``; ``final_text``: the engine's text at the end."""
         if self.tokenizer is None or not self.params.detokenize:
             return ""
-        if d.final_text is not None:  # the engine's text is the truth at the end
-            self.text = d.final_text
+        if final_text is not None:  # the engine's text is the truth at the end
+            self.text = final_text
             new, self.sent = self.text[self.sent:], len(self.text)
             return new
-        self.ids += d.token_ids
+        self.ids += token_ids
         window = self._decode(self.ids[self.prefix:])
         before = self._decode(self.ids[self.prefix:self.read])
         # NOTE: random tokens (dummy weights) may never complete a UTF-8 character: after
@@ -120,6 +124,11 @@ class IncrementalText:
         upto = max(self.sent, len(self.text) - self.hold)
         new, self.sent = self.text[self.sent:upto], upto
         return new
+
+
+def _then(a: tuple, b: tuple) -> tuple:
+    """Delta tuple ``a`` (``_Delta``'s fields) followed by ``b`` of the same completion."""
+    return (a[0], a[1] + b[1], None if a[2] is None else a[2] + b[2], *b[3:])
 
 
 class EngineDeadError(RuntimeError):
@@ -265,23 +274,29 @@ class AsyncLLM:
                 items = [await queue.get()]
                 while not queue.empty():  # NOTE: a consumer behind by k steps sends one output
                     items.append(queue.get_nowait())
-                merged: dict[int, _Delta] = {}
-                for item in items:
-                    if isinstance(item, BaseException):
-                        finished = True  # the engine already dropped it
-                        raise item
-                    h, deltas, finished = item
-                    head = h if h is not None else head
-                    for t in deltas:
-                        d = _Delta(*t)
-                        merged[d.index] = merged[d.index].then(d) if d.index in merged else d
+                if len(items) == 1 and not isinstance(items[0], BaseException):
+                    head_, deltas, finished = items[0]  # NOTE: the usual case: one step
+                    head = head_ if head_ is not None else head
+                else:
+                    merged: dict[int, tuple] = {}
+                    for item in items:
+                        if isinstance(item, BaseException):
+                            finished = True  # the engine already dropped it
+                            raise item
+                        h, its, finished = item
+                        head = h if h is not None else head
+                        for t in its:  # NOTE: one step has each completion once at most
+                            merged[t[0]] = _then(merged[t[0]], t) if t[0] in merged else t
+                    deltas = merged.values()
                 outs = []
-                for d in merged.values():  # NOTE: one incremental decode per completion
-                    text = texts.setdefault(d.index, IncrementalText(self.tokenizer, params))
+                for index, ids, lps, reason, stop_reason, final_text, cum in deltas:
+                    text = texts.get(index)  # NOTE: one incremental decode per completion
+                    if text is None:  # NOTE: not setdefault: it would build one every chunk
+                        text = texts[index] = IncrementalText(self.tokenizer, params)
                     outs.append(CompletionOutput(
-                        index=d.index, text=text.add(d), token_ids=d.token_ids,
-                        cumulative_logprob=d.cumulative_logprob, logprobs=d.logprobs,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                        index=index, text=text.add_ids(ids, final_text), token_ids=ids,
+                        cumulative_logprob=cum, logprobs=lps, finish_reason=reason,
+                        stop_reason=stop_reason))
                 yield RequestOutput(request_id=request_id, prompt=head.prompt,
                                     prompt_token_ids=head.prompt_token_ids,
                                     prompt_logprobs=head.prompt_logprobs if first else None,
