@@ -219,7 +219,7 @@ def measure_app(clients: int, requests: int, tokens: int, step_ms: float = 2.0) 
             return {"type": "http.disconnect"}
 
         async def send(msg):
-            if msg["type"] == "http.response.body":
+            if msg["type"] == "http.response.body" and msg.get("body"):
                 count["events"] += 1
                 count["bytes"] += len(msg.get("body", b""))
                 if not msg.get("more_body", False):
@@ -242,7 +242,8 @@ def measure_app(clients: int, requests: int, tokens: int, step_ms: float = 2.0) 
         cpu, wall, steps = asyncio.run(main())
     finally:
         engine.shutdown()
-    # NOTE: per request one [DONE] and one usage event besides the content chunks
+    # NOTE: per request one [DONE] and one usage event besides the content chunks (empty
+    # bodies are not counted)
     chunks = count["events"] - 2 * clients * requests
     toks = clients * requests * tokens
     return {"clients": clients, "mode": "app", "chunks": chunks, "tokens": toks,

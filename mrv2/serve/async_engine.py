@@ -55,6 +55,24 @@ def _deliver(items) -> None:
         queue.put_nowait(item)
 
 
+def _resolve(replies) -> None:
+    """On the event loop: each ``(asyncio future, exception or None)``; a cancelled
+    waiter (its caller gave up) is skipped."""
+    for fut, exc in replies:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
+
+
+def _resolve_all(results: dict) -> None:
+    """``_resolve`` each event loop's replies there: one wake-up of each loop."""
+    for loop, replies in results.items():
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(_resolve, replies)
+
+
 def _fast_decode(tokenizer) -> Callable | None:
     """The ``tokenizers`` backend's ``decode`` where it gives the same text as
     ``tokenizer.decode`` (a fast tokenizer without ``clean_up_tokenization_spaces``), else
@@ -193,19 +211,39 @@ class AsyncLLM:
 
     # -- the asyncio side ----------------------------------------------------------
 
-    def _post(self, *cmd) -> concurrent.futures.Future:
+    def _post(self, *cmd, wait: bool = True):
+        """Queue a command for the engine; what to wait on for its result.
+
+        Returns:
+            Thread mode: a ``concurrent.futures.Future``. Process mode: an asyncio future
+            of the running loop (``None`` with ``wait=False``: nobody waits, the reply is
+            dropped). NOTE: not a ``concurrent.futures.Future`` there: the reader thread
+            resolves a wake's replies with one ``call_soon_threadsafe`` per loop, and no
+            cross-thread future lock is taken per request.
+        """
+        if self.engine_process:
+            loop = asyncio.get_running_loop() if wait else None
+            fut = loop.create_future() if wait else None
+            with self._lock:
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead)
+                cid = next(self._cids)
+                if wait:
+                    self._futs[cid] = (loop, fut)
+                self._conn.send((cmd[0], cid, *cmd[1:]))
+            return fut
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
-            if self.engine_process:
-                cid = next(self._cids)
-                self._futs[cid] = fut
-                self._conn.send((cmd[0], cid, *cmd[1:]))
-            else:
-                self._cmds.append((fut, *cmd))
-                self._cv.notify()
+            self._cmds.append((fut, *cmd))
+            self._cv.notify()
         return fut
+
+    async def _ask(self, *cmd):
+        """Post a command and wait for its result (either mode)."""
+        fut = self._post(*cmd)
+        return await (fut if self.engine_process else asyncio.wrap_future(fut))
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine thread between two steps; its result (or error).
@@ -241,7 +279,7 @@ class AsyncLLM:
         # NOTE: registered before the add: its first tokens may come with the add's reply.
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            await asyncio.wrap_future(self._post("add", request_id, prompt, params))
+            await self._ask("add", request_id, prompt, params)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -310,13 +348,13 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
         self._streams.pop(request_id, None)
-        await asyncio.wrap_future(self._post("abort", request_id))
+        await self._ask("abort", request_id)
 
     def abort_nowait(self, request_id: str) -> None:
         """Queue an abort (it runs before the next step); unknown ids are ignored."""
         self._streams.pop(request_id, None)
         with contextlib.suppress(RuntimeError):  # the engine is gone: nothing to free
-            self._post("abort", request_id)
+            self._post("abort", request_id, wait=False)
 
     def stats(self) -> dict:
         """Counters for ``/metrics`` (process mode: as of the engine's last message)."""
@@ -445,7 +483,7 @@ class AsyncLLM:
                                       "generation_tokens_total", "requests_total",
                                       "steps_total")}
         self._cids = itertools.count()
-        self._futs: dict[int, concurrent.futures.Future] = {}
+        self._futs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._reader = threading.Thread(target=self._read, name="mrv2-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -460,24 +498,23 @@ class AsyncLLM:
                 msgs = reader.recv_batch()  # every step that came since the last wake
             except (EOFError, OSError):
                 break
-            items = []
+            items, results = [], {}
             for replies, its, stats in msgs:
                 self._stats = stats
                 for cid, exc in replies:
-                    fut = self._futs.pop(cid, None)
-                    if fut is None:
-                        continue
-                    if exc is None:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(exc)
+                    waiter = self._futs.pop(cid, None)
+                    if waiter is not None:
+                        results.setdefault(waiter[0], []).append((waiter[1], exc))
                 items += its
+            _resolve_all(results)
             self._dispatch(items)
         self._proc.join(5)
         with self._lock:
             self._dead = self._dead or (f"the engine process died (exit code "
                                         f"{self._proc.exitcode})")
             futs, self._futs = self._futs, {}
-        for fut in futs.values():
-            fut.set_exception(EngineDeadError(self._dead))
+        results = {}
+        for loop, fut in futs.values():
+            results.setdefault(loop, []).append((fut, EngineDeadError(self._dead)))
+        _resolve_all(results)
         self._fail_streams(self._dead)
