@@ -155,3 +155,25 @@ def test_sse_response_a_disconnect_cancels_the_body_then_on_close_runs():
     assert state == {"closed": 1, "finally": True, "made": state["made"]}
     assert 3 <= len(sent) - 1 <= state["made"] < 10  # stopped within a few events
     assert all(m["more_body"] for m in sent[1:])  # never completed: the client is gone
+
+
+def test_replies_resolve_their_futures_on_the_loop_and_skip_a_cancelled_waiter():
+    import asyncio
+    import threading
+
+    from mrv2.serve.async_engine import _resolve_all
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ok, bad, gone = loop.create_future(), loop.create_future(), loop.create_future()
+        gone.cancel()  # its caller gave up (a client that went away)
+        t = threading.Thread(target=_resolve_all, args=(
+            {loop: [(ok, None), (bad, ValueError("n: bad")), (gone, None)]},))
+        t.start()  # as the reader thread does
+        t.join()
+        assert await ok is None
+        with pytest.raises(ValueError, match="n: bad"):
+            await bad
+        assert gone.cancelled()
+
+    asyncio.run(main())
