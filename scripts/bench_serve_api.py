@@ -179,6 +179,80 @@ def measure(port: int, clients: int, procs: int, requests: int, tokens: int, kin
             "client_cpu_us_per_chunk": 1e6 * sum(g[4] for g in got) / max(chunks, 1)}
 
 
+def measure_app(clients: int, requests: int, tokens: int, step_ms: float = 2.0) -> dict:
+    """The app's own event-loop CPU per chunk: ASGI calls without a server or sockets.
+
+    The FastAPI app runs on a ``FakeLLM`` stepped by a thread of this process; each of
+    ``clients`` coroutines sends ``requests`` streaming requests straight into the ASGI
+    app (a ``send`` that only counts the events). The event loop thread's CPU time
+    (``time.thread_time``: not the engine thread's) per chunk is the cost of everything
+    this repository's code and FastAPI/Starlette do per chunk, without uvicorn, h11 and
+    the socket: a figure steady enough on a shared CPU to compare two versions.
+    """
+    from mrv2.serve.api_server import create_app
+    from mrv2.serve.async_engine import AsyncLLM
+    from mrv2.serve.fake import FakeLLM
+
+    engine = AsyncLLM(FakeLLM(step_ms=step_ms, cpu_ms=0, max_num_seqs=clients))
+    app = create_app(engine, "fake")
+    body = json.dumps({"model": "fake", "prompt": list(range(1, 33)), "max_tokens": tokens,
+                       "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"x"), (b"content-type", b"application/json"),
+                                          (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    count = {"events": 0, "bytes": 0}
+
+    async def one():
+        done = asyncio.Event()
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.body" and msg.get("body"):
+                count["events"] += 1
+                count["bytes"] += len(msg.get("body", b""))
+                if not msg.get("more_body", False):
+                    done.set()
+
+        await app(dict(scope), receive, send)
+
+    async def client():
+        for _ in range(requests):
+            await one()
+
+    async def main():
+        await asyncio.gather(*(client() for _ in range(min(clients, 8))))  # warm-up
+        count.update(events=0, bytes=0)
+        c0, t0, s0 = time.thread_time(), time.perf_counter(), engine.num_steps
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return time.thread_time() - c0, time.perf_counter() - t0, engine.num_steps - s0
+
+    try:
+        cpu, wall, steps = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    # NOTE: per request one [DONE] and one usage event besides the content chunks (empty
+    # bodies are not counted)
+    chunks = count["events"] - 2 * clients * requests
+    toks = clients * requests * tokens
+    return {"clients": clients, "mode": "app", "chunks": chunks, "tokens": toks,
+            "wall_s": wall, "steps": steps, "tokens_per_chunk": toks / max(chunks, 1),
+            "app_cpu_s": cpu, "app_cpu_us_per_chunk": 1e6 * cpu / max(chunks, 1),
+            "app_cpu_us_per_token": 1e6 * cpu / toks,
+            "app_cpu_ms_per_request": 1e3 * cpu / (clients * requests)}
+
+
 def _spy(pid: int, out: str) -> list:
     """py-spy (raw stacks, 8 s from 2 s on) on the API process and its engine child."""
     os.makedirs(out, exist_ok=True)
@@ -200,7 +274,22 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--py-spy", default=None, metavar="DIR",
                    help="py-spy record the API and engine processes of the last run into DIR")
+    p.add_argument("--app", action="store_true",
+                   help="measure the ASGI app alone in this process (no server, no sockets): "
+                        "its event loop's CPU per chunk, steady on a shared CPU")
     a = p.parse_args(argv)
+    if a.app:
+        rows = [measure_app(n, a.requests, a.tokens) for n in a.clients]
+        for r in rows:
+            print(f"{r['clients']:4d} clients (app in process): {r['tokens_per_chunk']:5.2f} "
+                  f"tok/chunk | app CPU {r['app_cpu_us_per_token']:5.1f} us/token "
+                  f"{r['app_cpu_us_per_chunk']:5.1f} us/chunk "
+                  f"({r['app_cpu_ms_per_request']:4.1f} ms a request of {a.tokens} tokens)",
+                  flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

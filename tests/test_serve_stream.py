@@ -50,3 +50,130 @@ def test_message_reader_long_header_and_a_frame_split_at_every_byte():
             reader.buf += os.read(a.fileno(), 1)
             assert reader._parse() == []
     assert out == [{"x": [1, 2, 3]}] * 2
+
+
+def _tokenizer():
+    from pathlib import Path
+
+    from mrv2.llm import _load_tokenizer
+
+    return _load_tokenizer(Path(__file__).resolve().parents[1] / "mrv2" / "assets"
+                           / "tiny-qwen3-shakespeare")
+
+
+def test_fast_decode_gives_transformers_text_and_only_where_it_may():
+    import random
+
+    from mrv2 import SamplingParams
+    from mrv2.serve.async_engine import IncrementalText, _fast_decode
+
+    tok = _tokenizer()
+    fast = _fast_decode(tok)
+    assert fast is not None  # the embedded model's tokenizer takes the fast path
+    rng = random.Random(0)
+    seqs = [[], [0]] + [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+                        for _ in range(300)]
+    for ids in seqs:
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    # streamed token by token, the text is the whole decode (the default path's answer)
+    ids = tok.encode("ROMEO: O, she doth teach the torches to burn bright!")
+    inc = IncrementalText(tok, SamplingParams())
+    assert inc._fast is not None
+    assert "".join(inc.add_ids([t], None) for t in ids) == tok.decode(ids)
+    tok.clean_up_tokenization_spaces = True  # transformers would clean up: keep its decode
+    try:
+        assert _fast_decode(tok) is None and _fast_decode(None) is None
+    finally:
+        tok.clean_up_tokenization_spaces = False
+
+
+def _drive(response, disconnect_after: int | None):
+    """Run an ASGI response; (messages sent, whether on_close ran)."""
+    import asyncio
+
+    sent, gone = [], asyncio.Event()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+        bodies = [m for m in sent if m["type"] == "http.response.body"]
+        if disconnect_after is not None and len(bodies) == disconnect_after:
+            gone.set()  # the client goes away after this many events
+        if not msg.get("more_body", True):
+            gone.set()  # uvicorn: receive() returns http.disconnect once complete
+
+    asyncio.run(asyncio.wait_for(response({"type": "http"}, receive, send), 10))
+    return sent
+
+
+def test_sse_response_sends_every_event_last_one_ends_the_body():
+    from mrv2.serve.api_server import SSEResponse
+
+    closed = []
+
+    async def events():
+        for i in range(3):
+            yield b"data: %d\n\n" % i
+        yield b"data: [DONE]\n\n"
+
+    async def on_close():
+        closed.append(True)
+
+    sent = _drive(SSEResponse(events(), on_close), None)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert dict(sent[0]["headers"])[b"content-type"].startswith(b"text/event-stream")
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n",
+                                             b"data: [DONE]\n\n"]
+    assert [m["more_body"] for m in sent[1:]] == [True, True, True, False]
+    assert closed == [True]
+
+
+def test_sse_response_a_disconnect_cancels_the_body_then_on_close_runs():
+    import asyncio
+
+    from mrv2.serve.api_server import SSEResponse
+
+    state = {"closed": 0, "finally": False, "made": 0}
+
+    async def events():  # an endless stream, as one waiting for the engine's next step
+        try:
+            while True:
+                state["made"] += 1
+                yield b"data: x\n\n"
+                await asyncio.sleep(0.001)
+        finally:
+            state["finally"] = True  # where AsyncLLM's stream queues its abort
+
+    async def on_close():
+        state["closed"] += 1
+
+    sent = _drive(SSEResponse(events(), on_close), disconnect_after=3)
+    assert state == {"closed": 1, "finally": True, "made": state["made"]}
+    assert 3 <= len(sent) - 1 <= state["made"] < 10  # stopped within a few events
+    assert all(m["more_body"] for m in sent[1:])  # never completed: the client is gone
+
+
+def test_replies_resolve_their_futures_on_the_loop_and_skip_a_cancelled_waiter():
+    import asyncio
+    import threading
+
+    from mrv2.serve.async_engine import _resolve_all
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ok, bad, gone = loop.create_future(), loop.create_future(), loop.create_future()
+        gone.cancel()  # its caller gave up (a client that went away)
+        t = threading.Thread(target=_resolve_all, args=(
+            {loop: [(ok, None), (bad, ValueError("n: bad")), (gone, None)]},))
+        t.start()  # as the reader thread does
+        t.join()
+        assert await ok is None
+        with pytest.raises(ValueError, match="n: bad"):
+            await bad
+        assert gone.cancelled()
+
+    asyncio.run(main())

@@ -12,6 +12,7 @@ generator, which aborts the request before the next engine step (``async_engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -19,8 +20,7 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mrv2.serve.async_engine import AsyncLLM, EngineDeadError
 from mrv2.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -250,9 +250,9 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
         choices, n = _Choices(chat, k), body.n
         prompt_tokens = {}
         if body.stream:
-            return StreamingResponse(
+            return SSEResponse(
                 _sse(head, _merge(streams, done), choices, n, chat, prompt_tokens, body),
-                media_type="text/event-stream", background=BackgroundTask(abort_unfinished))
+                abort_unfinished)
         try:
             async for i, out in _merge(streams, done):
                 prompt_tokens[i] = len(out.prompt_token_ids)
@@ -298,6 +298,56 @@ def create_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) ->
         return await respond(body, [dict(prompts[0])], chat=True)
 
     return app
+
+
+class SSEResponse(Response):
+    """A server-sent events response: raw ASGI, each event one ``http.response.body``.
+
+    NOTE: why not Starlette's ``StreamingResponse``: it runs the body and a disconnect
+    listener in an anyio task group and sends an extra empty body at the end; this is the
+    same behaviour with one plain asyncio task. The body runs in a task while this
+    coroutine waits on ``receive()``: a client that disconnects cancels the body (its
+    streams' ``finally`` aborts their requests), then ``on_close`` runs in any case.
+
+    Args:
+        events: an async iterator of ``bytes``, one event each; the last one ends the body.
+        on_close: awaited once the body ended or was cancelled.
+    """
+
+    _HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"))
+
+    def __init__(self, events, on_close):  # NOTE: a Response: FastAPI passes it through as is
+        self.events, self.on_close = events, on_close
+        self.background = None
+
+    async def _body(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._HEADERS})
+        prev = None  # NOTE: one event behind, so the last one goes with more_body=False
+        async for event in self.events:
+            if prev is not None:
+                await send({"type": "http.response.body", "body": prev, "more_body": True})
+            prev = event
+        await send({"type": "http.response.body", "body": prev or b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        body = asyncio.ensure_future(self._body(send))
+        try:
+            while not body.done():
+                # NOTE: uvicorn's receive() returns http.disconnect once the client is gone
+                # or the response is complete (its last send wakes it).
+                listen = asyncio.ensure_future(receive())
+                await asyncio.wait((body, listen), return_when=asyncio.FIRST_COMPLETED)
+                if not listen.done():
+                    listen.cancel()
+                elif listen.result()["type"] == "http.disconnect":
+                    break
+            if not body.done():
+                body.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await body
+        finally:
+            await self.on_close()
 
 
 def _usage(prompt_tokens: dict, choices: _Choices) -> dict:

@@ -43,10 +43,8 @@ from collections.abc import AsyncIterator, Callable
 
 from mrv2.outputs import CompletionOutput, RequestOutput
 from mrv2.sampling_params import SamplingParams
-from mrv2.serve.engine_core import EngineCore, _Delta
-
-#: Tokens an incomplete UTF-8 character may hold back before its text is sent as it is.
-_MAX_PENDING = 8
+from mrv2.serve.detokenizer import IncrementalText, _fast_decode  # noqa: F401 (re-exported)
+from mrv2.serve.engine_core import EngineCore, _Delta  # noqa: F401 (re-exported)
 
 
 def _deliver(items) -> None:
@@ -55,48 +53,27 @@ def _deliver(items) -> None:
         queue.put_nowait(item)
 
 
-class IncrementalText:
-    """Streamed text of one completion: decode a small window of tokens per step.
+def _resolve(replies) -> None:
+    """On the event loop: each ``(asyncio future, exception or None)``; a cancelled
+    waiter (its caller gave up) is skipped."""
+    for fut, exc in replies:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
 
-    vLLM's incremental detokenizer: the text of ``ids[prefix:]`` minus the text of
-    ``ids[prefix:read]`` is new, unless it ends in an incomplete UTF-8 character. With stop
-    strings, the last ``len(longest stop) - 1`` characters are held back until the end (a
-    stop string is cut from the final text, and what was sent cannot be taken back).
-    """
 
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.tokenizer, self.params = tokenizer, params
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.text = ""     # decoded so far
-        self.sent = 0      # characters of self.text handed out
-        stops = [] if params.include_stop_str_in_output else params.stop
-        self.hold = max((len(s) for s in stops), default=1) - 1
+def _resolve_all(results: dict) -> None:
+    """``_resolve`` each event loop's replies there: one wake-up of each loop."""
+    for loop, replies in results.items():
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(_resolve, replies)
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
-    def add(self, d: _Delta) -> str:
-        """The new text of ``d`` (everything left once the completion finished)."""
-        if self.tokenizer is None or not self.params.detokenize:
-            return ""
-        if d.final_text is not None:  # the engine's text is the truth at the end
-            self.text = d.final_text
-            new, self.sent = self.text[self.sent:], len(self.text)
-            return new
-        self.ids += d.token_ids
-        window = self._decode(self.ids[self.prefix:])
-        before = self._decode(self.ids[self.prefix:self.read])
-        # NOTE: random tokens (dummy weights) may never complete a UTF-8 character: after
-        # _MAX_PENDING tokens the window is taken as it is, so it cannot grow without bound.
-        pending = len(self.ids) - self.read
-        if len(window) > len(before) and (not window.endswith("\ufffd")
-                                          or pending > _MAX_PENDING):
-            self.text += window[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-        upto = max(self.sent, len(self.text) - self.hold)
-        new, self.sent = self.text[self.sent:upto], upto
-        return new
+def _then(a: tuple, b: tuple) -> tuple:
+    """Delta tuple ``a`` (``_Delta``'s fields) followed by ``b`` of the same completion."""
+    return (a[0], a[1] + b[1], None if a[2] is None else a[2] + b[2], *b[3:])
 
 
 class EngineDeadError(RuntimeError):
@@ -161,19 +138,39 @@ class AsyncLLM:
 
     # -- the asyncio side ----------------------------------------------------------
 
-    def _post(self, *cmd) -> concurrent.futures.Future:
+    def _post(self, *cmd, wait: bool = True):
+        """Queue a command for the engine; what to wait on for its result.
+
+        Returns:
+            Thread mode: a ``concurrent.futures.Future``. Process mode: an asyncio future
+            of the running loop (``None`` with ``wait=False``: nobody waits, the reply is
+            dropped). NOTE: not a ``concurrent.futures.Future`` there: the reader thread
+            resolves a wake's replies with one ``call_soon_threadsafe`` per loop, and no
+            cross-thread future lock is taken per request.
+        """
+        if self.engine_process:
+            loop = asyncio.get_running_loop() if wait else None
+            fut = loop.create_future() if wait else None
+            with self._lock:
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead)
+                cid = next(self._cids)
+                if wait:
+                    self._futs[cid] = (loop, fut)
+                self._conn.send((cmd[0], cid, *cmd[1:]))
+            return fut
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
-            if self.engine_process:
-                cid = next(self._cids)
-                self._futs[cid] = fut
-                self._conn.send((cmd[0], cid, *cmd[1:]))
-            else:
-                self._cmds.append((fut, *cmd))
-                self._cv.notify()
+            self._cmds.append((fut, *cmd))
+            self._cv.notify()
         return fut
+
+    async def _ask(self, *cmd):
+        """Post a command and wait for its result (either mode)."""
+        fut = self._post(*cmd)
+        return await (fut if self.engine_process else asyncio.wrap_future(fut))
 
     async def call(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the engine thread between two steps; its result (or error).
@@ -209,7 +206,7 @@ class AsyncLLM:
         # NOTE: registered before the add: its first tokens may come with the add's reply.
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            await asyncio.wrap_future(self._post("add", request_id, prompt, params))
+            await self._ask("add", request_id, prompt, params)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -242,23 +239,29 @@ class AsyncLLM:
                 items = [await queue.get()]
                 while not queue.empty():  # NOTE: a consumer behind by k steps sends one output
                     items.append(queue.get_nowait())
-                merged: dict[int, _Delta] = {}
-                for item in items:
-                    if isinstance(item, BaseException):
-                        finished = True  # the engine already dropped it
-                        raise item
-                    h, deltas, finished = item
-                    head = h if h is not None else head
-                    for t in deltas:
-                        d = _Delta(*t)
-                        merged[d.index] = merged[d.index].then(d) if d.index in merged else d
+                if len(items) == 1 and not isinstance(items[0], BaseException):
+                    head_, deltas, finished = items[0]  # NOTE: the usual case: one step
+                    head = head_ if head_ is not None else head
+                else:
+                    merged: dict[int, tuple] = {}
+                    for item in items:
+                        if isinstance(item, BaseException):
+                            finished = True  # the engine already dropped it
+                            raise item
+                        h, its, finished = item
+                        head = h if h is not None else head
+                        for t in its:  # NOTE: one step has each completion once at most
+                            merged[t[0]] = _then(merged[t[0]], t) if t[0] in merged else t
+                    deltas = merged.values()
                 outs = []
-                for d in merged.values():  # NOTE: one incremental decode per completion
-                    text = texts.setdefault(d.index, IncrementalText(self.tokenizer, params))
+                for index, ids, lps, reason, stop_reason, final_text, cum in deltas:
+                    text = texts.get(index)  # NOTE: one incremental decode per completion
+                    if text is None:  # NOTE: not setdefault: it would build one every chunk
+                        text = texts[index] = IncrementalText(self.tokenizer, params)
                     outs.append(CompletionOutput(
-                        index=d.index, text=text.add(d), token_ids=d.token_ids,
-                        cumulative_logprob=d.cumulative_logprob, logprobs=d.logprobs,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+                        index=index, text=text.add_ids(ids, final_text), token_ids=ids,
+                        cumulative_logprob=cum, logprobs=lps, finish_reason=reason,
+                        stop_reason=stop_reason))
                 yield RequestOutput(request_id=request_id, prompt=head.prompt,
                                     prompt_token_ids=head.prompt_token_ids,
                                     prompt_logprobs=head.prompt_logprobs if first else None,
@@ -272,13 +275,13 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Abort a request and wait until its rows and blocks are free."""
         self._streams.pop(request_id, None)
-        await asyncio.wrap_future(self._post("abort", request_id))
+        await self._ask("abort", request_id)
 
     def abort_nowait(self, request_id: str) -> None:
         """Queue an abort (it runs before the next step); unknown ids are ignored."""
         self._streams.pop(request_id, None)
         with contextlib.suppress(RuntimeError):  # the engine is gone: nothing to free
-            self._post("abort", request_id)
+            self._post("abort", request_id, wait=False)
 
     def stats(self) -> dict:
         """Counters for ``/metrics`` (process mode: as of the engine's last message)."""
@@ -407,7 +410,7 @@ class AsyncLLM:
                                       "generation_tokens_total", "requests_total",
                                       "steps_total")}
         self._cids = itertools.count()
-        self._futs: dict[int, concurrent.futures.Future] = {}
+        self._futs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._reader = threading.Thread(target=self._read, name="mrv2-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -422,24 +425,23 @@ class AsyncLLM:
                 msgs = reader.recv_batch()  # every step that came since the last wake
             except (EOFError, OSError):
                 break
-            items = []
+            items, results = [], {}
             for replies, its, stats in msgs:
                 self._stats = stats
                 for cid, exc in replies:
-                    fut = self._futs.pop(cid, None)
-                    if fut is None:
-                        continue
-                    if exc is None:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(exc)
+                    waiter = self._futs.pop(cid, None)
+                    if waiter is not None:
+                        results.setdefault(waiter[0], []).append((waiter[1], exc))
                 items += its
+            _resolve_all(results)
             self._dispatch(items)
         self._proc.join(5)
         with self._lock:
             self._dead = self._dead or (f"the engine process died (exit code "
                                         f"{self._proc.exitcode})")
             futs, self._futs = self._futs, {}
-        for fut in futs.values():
-            fut.set_exception(EngineDeadError(self._dead))
+        results = {}
+        for loop, fut in futs.values():
+            results.setdefault(loop, []).append((fut, EngineDeadError(self._dead)))
+        _resolve_all(results)
         self._fail_streams(self._dead)
