@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 
+from mrv2.bench.book_plots import _axis
 from mrv2.bench.report import REPO_ROOT
 
 KINDS = ("decode_steps", "decode_profile", "throughput", "latency")
@@ -119,14 +120,6 @@ def newest_result(kind: str, workload: str | None = None, runners: tuple[str, ..
         if key > best[2]:
             best = (path, res, key)
     return best[0], best[1]
-
-
-def _axis(ax, figsize):
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        _, ax = plt.subplots(figsize=figsize)
-    return ax
 
 
 def plot_decode_step_times_b(res: dict, ax=None):
