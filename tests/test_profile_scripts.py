@@ -1,0 +1,34 @@
+"""The step-profiling scripts run end to end on the CPU (tiny runs: they check the tools work;
+their figures mean something only on a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_spec_step_reports_phases_ops_and_python(tmp_path, monkeypatch):
+    mod = _load("profile_spec_step")
+    out = tmp_path / "p.json"
+    monkeypatch.setattr("sys.argv", ["profile_spec_step.py", "--methods", "none,ngram",
+                                     "--output-len", "8", "--top", "40", "--cprofile", "5",
+                                     "--out", str(out)])
+    mod.main()
+    res = json.loads(out.read_text())
+    assert [r["method"] for r in res] == ["none", "ngram"]
+    for r in res:
+        assert r["tpot_ms"] > 0 and r["output_len"] == 8
+        assert {"prep", "forward", "sample"} <= set(r["timeline"]["cpu_ms"])
+        assert "runner.execute_model" in r["profile_table"]
+        assert "Ordered by" in r["cprofile"]
+    assert "spec.verify" in res[1]["profile_table"]  # the speculating step's own functions
