@@ -403,32 +403,7 @@ def test_32_concurrent_streaming_clients_all_complete(served):
     assert _wait_idle(served["engine"]) == IDLE
 
 
-def test_serve_help_imports_neither_torch_nor_fastapi():
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "mrv2", "serve", "--help"],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()}
-    assert not {"torch", "fastapi", "uvicorn"} & imported
-    assert "--api-key" in proc.stdout and "--max-num-seqs" in proc.stdout
-
-
 # -- bench serve ---------------------------------------------------------------------------
-
-
-def test_bench_serve_summary_of_known_records():
-    from mrv2.bench.serve import summarize
-
-    recs = [{"start": 0.0, "chunks": [1.0, 1.5, 2.5], "end": 2.5, "tokens": 3, "error": None},
-            {"start": 0.0, "chunks": [], "end": 0.1, "tokens": 0, "error": "HTTP 400"}]
-    s = summarize(recs, duration=5.0, rate=2.0, max_concurrency=4, prompt_tokens=10)
-    assert (s["completed"], s["failed"], s["output_tokens"]) == (1, 1, 3)
-    assert s["ttft_ms"]["p50"] == pytest.approx(1000.0)
-    assert s["itl_ms"]["mean"] == pytest.approx(750.0)  # gaps of 500 and 1000 ms
-    assert s["tpot_ms"]["p99"] == pytest.approx(750.0)  # (2.5 - 1.0) s / 2 tokens
-    assert s["output_tok_s"] == pytest.approx(0.6) and s["total_tok_s"] == pytest.approx(2.6)
 
 
 @pytest.mark.parametrize("procs", [1, 2])
