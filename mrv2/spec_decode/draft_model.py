@@ -101,6 +101,45 @@ class KeptProbs:
         buf[dest, first:] = torch.stack(probs, dim=1)                       # [B, K - first, V]
 
 
+class ChainSlots:
+    """The chained steps' per-slot static inputs, shared by the draft model and EAGLE.
+
+    A proposer sets ``device``, ``block_size`` and ``_capacity = None``. Then
+    ``_capacity`` (``[R_max]`` int64) holds each batch slot's KV capacity in tokens (0: a
+    padding slot, nothing live) and ``_query_start_loc`` (``[R_max + 1]`` int32) the arange
+    of one query token per slot: with the runner's ``idx_mapping`` and gathered block table
+    they are everything a chain graph reads besides the state table.
+    """
+
+    _capacity: torch.Tensor | None
+    _query_start_loc: torch.Tensor | None
+    device: torch.device
+    block_size: int
+
+    def _slot_buffers(self, max_num_reqs: int) -> None:
+        if self._capacity is None:
+            self._capacity = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+            self._query_start_loc = torch.arange(max_num_reqs + 1, dtype=torch.int32,
+                                                 device=self.device)
+
+    def _load_capacity(self, runner, batch, num_rows: int) -> None:
+        """Each slot's capacity (allocated blocks x block size; padding slots up to
+        ``num_rows``: 0) into the static buffer, in one host->device copy (no sync)."""
+        capacity = np.zeros(num_rows, dtype=np.int64)                       # [B_pad]
+        rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
+        capacity[:batch.num_reqs] = runner.block_tables.num_blocks[rows_np] * self.block_size
+        self._capacity[:num_rows].copy_(to_device_async(capacity, self.device),
+                                        non_blocking=True)
+
+    def _chain_slots(self, runner, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """``(idx_mapping [B], rows [B] int64, capacity [B], query_start_loc [B + 1],
+        block_table [B, blocks])`` of the first ``num_rows`` slots (static buffers only)."""
+        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
+        return (idx_mapping, idx_mapping.long(), self._capacity[:num_rows],
+                self._query_start_loc[:num_rows + 1],
+                runner.block_tables.input_block_table[:num_rows])           # [B, blocks]
+
+
 def one_token_step(runner, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                    block_table: torch.Tensor, pos: torch.Tensor, capacity: torch.Tensor,
                    max_model_len: int, max_seq_len: int
@@ -130,7 +169,7 @@ def one_token_step(runner, idx_mapping: torch.Tensor, query_start_loc: torch.Ten
     return live, pos32, md
 
 
-class DraftModelProposer(KeptProbs):
+class DraftModelProposer(KeptProbs, ChainSlots):
     """K drafts per row from a small model (see the module docstring).
 
     Args:
@@ -169,10 +208,7 @@ class DraftModelProposer(KeptProbs):
         self._query_start_loc: torch.Tensor | None = None  # [max_num_reqs + 1] int32 arange
 
     def _static_buffers(self, runner) -> None:
-        if self._capacity is None:
-            n = runner.max_num_reqs
-            self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
-            self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._slot_buffers(runner.max_num_reqs)
         if self.keep_probs:
             self._probs_buffer(runner.state)
 
@@ -222,12 +258,7 @@ class DraftModelProposer(KeptProbs):
         # 2. Chained single-token steps from the next token of each row.
         key = (None if self.chain_graphs is None
                else self.chain_graphs.padded_size(num_reqs, num_reqs))
-        num_rows = num_reqs if key is None else key
-        capacity = np.zeros(num_rows, dtype=np.int64)                       # [B_pad]
-        rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
-        capacity[:num_reqs] = runner.block_tables.num_blocks[rows_np] * self.block_size
-        self._capacity[:num_rows].copy_(to_device_async(capacity, self.device),
-                                        non_blocking=True)
+        self._load_capacity(runner, batch, num_reqs if key is None else key)
         if key is None:
             max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
             return self._chain(runner, k, num_reqs, meta, max_seq_len)
@@ -240,11 +271,8 @@ class DraftModelProposer(KeptProbs):
         """The K chained steps over the first ``num_rows`` batch slots (static buffers only:
         the body of the chain graph); ``[num_rows, K]`` int32 drafts, -1 where not live."""
         state = runner.state
-        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
-        rows = idx_mapping.long()
-        capacity = self._capacity[:num_rows]                                # [B]
-        query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
-        block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
+        idx_mapping, rows, capacity, query_start_loc, block_table = self._chain_slots(
+            runner, num_rows)
         start = state.num_computed_tokens[rows].long()                      # [B]
         tok = state.token_ids[rows, start.clamp(max=self.max_model_len - 1)]  # [B]
         temp = state.temperature[rows]                                      # [B]

@@ -17,8 +17,8 @@ small layer suffices. Per target step, on the device and in stream order:
    pair with the bonus / correction token) gives **draft 1**.
 2. **the chain** (``_chain``: static buffers and ``[B]`` shapes, the seam for CUDA
    graphs): draft 1 from the mirror's feature, then K - 1 single-token steps where the
-   head's own output feature and the last draft go back in at the next position. Each draft is sampled with the target's sampler and (seed, position) noise
-   (coupled drafts, as ``draft_model.py``), keeping q for ``probabilistic`` verification.
+   head's own output feature and the last draft go back in at the next position. Each
+   draft is sampled with the target's sampler and (seed, position) noise (coupled drafts, as ``draft_model.py``), keeping q for ``probabilistic`` verification.
 
 The hidden states come from the runner as the tensor ``ModelState.run`` returned (no copy,
 no sync). The head's paged KV cache uses the target's block ids, block tables and state
@@ -30,22 +30,20 @@ and a step replays the graph of its padded batch; the CPU path is the same code,
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape, model_dims
 from mrv2.sample import SamplingMetadata
 from mrv2.spec_decode.config import check_eagle_compatible
-from mrv2.spec_decode.draft_model import KeptProbs, batch_rows, filtered_probs, one_token_step
+from mrv2.spec_decode.draft_model import ChainSlots, KeptProbs, filtered_probs, one_token_step
 from mrv2.spec_decode.eagle_head import load_eagle_head
-from mrv2.state import to_device_async
 
 #: The sampling flags a captured chain uses: the general path, right for every row.
 _GRAPH_META = SamplingMetadata(all_greedy=False, needs_top_k_top_p=True)
 
 
-class EagleProposer(KeptProbs):
+class EagleProposer(KeptProbs, ChainSlots):
     """K drafts per row from an EAGLE-1 head over the target's hidden states.
 
     Args:
@@ -80,6 +78,7 @@ class EagleProposer(KeptProbs):
         self.keep_probs = keep_probs
         self.probs: torch.Tensor | None = None  # [R + 1, K, V] float32, made at first use
         self._feat: torch.Tensor | None = None  # the chain's static inputs (_static_buffers)
+        self._capacity: torch.Tensor | None = None  # the slots' (ChainSlots)
         self.graphs = None        # a CudaGraphManager of the mirror, by the target's key
         self.chain_graphs = None  # a CudaGraphManager of the chain (capture_cuda_graphs)
 
@@ -162,8 +161,7 @@ class EagleProposer(KeptProbs):
             self._feat = torch.zeros(n, hidden, dtype=self.head.fc.weight.dtype,
                                      device=self.device)                   # [R_max, H]
             self._pos = torch.zeros(n, dtype=torch.int64, device=self.device)
-            self._capacity = torch.zeros(n, dtype=torch.int64, device=self.device)
-            self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._slot_buffers(runner.max_num_reqs)
 
     def propose(self, batch, runner, k: int, meta: SamplingMetadata, graph_size=None,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,21 +180,18 @@ class EagleProposer(KeptProbs):
             raise ValueError("the EAGLE proposer needs the target's hidden states")
         num_reqs = batch.num_reqs
         self._static_buffers(runner)
-        rows_np = np.asarray(batch_rows(runner, batch), dtype=np.int64)
-        self._capacity[:num_reqs].copy_(to_device_async(
-            runner.block_tables.num_blocks[rows_np] * self.block_size, self.device))
+        key = (None if self.chain_graphs is None
+               else self.chain_graphs.padded_size(num_reqs, num_reqs))
+        # Padding slots get capacity 0: nothing live (their drafts are dropped).
+        self._load_capacity(runner, batch, num_reqs if key is None else key)
         feat, pos = self._run_mirror(batch, runner, hidden, graph_size)     # [B, H], [B]
         # NOTE: draft 1 (logits of the mirror's feature, its sample) is the chain's first
         # step, so a graph replays it too: the mirror only fills the chain's inputs.
         self._feat[:num_reqs].copy_(feat)
         self._pos[:num_reqs].copy_(pos)
-        key = (None if self.chain_graphs is None
-               else self.chain_graphs.padded_size(num_reqs, num_reqs))
         if key is None:
             max_seq_len = min(batch.attn_metadata.max_seq_len + k, self.max_model_len)
             return self._chain(runner, k, num_reqs, meta, max_seq_len)        # [B, K]
-        # Padding slots: capacity 0, nothing live (their drafts are dropped).
-        self._capacity[num_reqs:key].zero_()
         return self.chain_graphs.run(key, lambda: self._chain(
             runner, k, key, _GRAPH_META, self.max_model_len))[:num_reqs]     # [B, K]
 
@@ -273,11 +268,8 @@ class EagleProposer(KeptProbs):
             ``[num_rows, K]`` int32 drafts, -1 where not live.
         """
         state = runner.state
-        idx_mapping = runner.buffers.idx_mapping[:num_rows]                 # [B]
-        rows = idx_mapping.long()
-        capacity = self._capacity[:num_rows]                                # [B]
-        query_start_loc = self._query_start_loc[:num_rows + 1]              # [B + 1]
-        block_table = runner.block_tables.input_block_table[:num_rows]      # [B, blocks]
+        idx_mapping, rows, capacity, query_start_loc, block_table = self._chain_slots(
+            runner, num_rows)
         feat, pos = self._feat[:num_rows], self._pos[:num_rows]
         temp = state.temperature[rows]                                      # [B]
         live = capacity > 0                                                 # [B] real slots
