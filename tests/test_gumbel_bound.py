@@ -13,13 +13,8 @@ import torch
 from device_utils import on_device
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
-from mrv2.kernels.gumbel import (
-    GREEDY_TEMPERATURE,
-    gumbel_sample,
-    gumbel_sample_ref,
-    hash_words_ref,
-    words_to_gumbel_ref,
-)
+from mrv2.kernels.gumbel import gumbel_sample, gumbel_sample_ref
+from mrv2.kernels.gumbel_rng import GREEDY_TEMPERATURE, hash_words_ref, words_to_gumbel_ref
 
 gumbel_sample = on_device(gumbel_sample)
 _G_TOP = 32 * math.log(2.0)

@@ -9,12 +9,14 @@ from scipy import stats
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.gumbel import gumbel_sample
 from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_ref
+from mrv2.kernels.top_k_top_p_row import apply_top_k_top_p_min_p_row
 from mrv2.platform import DEVICE
 
 _on_device = on_device
 
 
 apply_top_k_top_p_min_p = _on_device(apply_top_k_top_p_min_p)
+apply_top_k_top_p_min_p_row = _on_device(apply_top_k_top_p_min_p_row)
 gumbel_sample = _on_device(gumbel_sample)
 
 
@@ -57,6 +59,11 @@ def test_equals_reference(num_rows, vocab, block_v, scale):
     ref = apply_top_k_top_p_min_p_ref(logits, idx, *knobs)
     assert torch.equal(out, ref)
     assert (out > NEG_INF).any(dim=1).all()
+    # The one-program-per-row kernel itself (mrv2/kernels/top_k_top_p_row.py), not through
+    # the dispatcher (whose default it is).
+    row = logits.clone()
+    assert apply_top_k_top_p_min_p_row(row, idx, *knobs, block_v=block_v) is row
+    assert torch.equal(row, ref)
 
 
 def test_each_filter_alone_and_the_extremes():

@@ -1,5 +1,8 @@
 """The chunked (rows x chunks programs) top-k / top-p / min-p search vs the sort reference.
 
+The kernels of ``mrv2/kernels/top_k_top_p_chunked.py``, launched as the GPU path would by
+``apply_top_k_top_p_min_p(..., method="chunked")`` (their only caller).
+
 Small vocabularies with small chunks, so a row spans several chunks and a chunk several
 blocks under the interpreter (the GPU default is 4096-wide chunks of 512-wide blocks).
 """
