@@ -37,6 +37,19 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def local_only(context, blocked) -> None:
+    """Let a playwright browser ``context`` reach 127.0.0.1 only: every other request is
+    aborted and its URL handed to ``blocked``."""
+    def route(r):
+        if urlparse(r.request.url).hostname == "127.0.0.1":
+            r.continue_()
+        else:
+            blocked(r.request.url)
+            r.abort()
+
+    context.route("**/*", route)
+
+
 def test_toc_lists_every_chapter_and_page():
     """A new notebook or prose page cannot be forgotten by the table of contents."""
     toc = yaml.safe_load((BOOK / "_toc.yml").read_text())
@@ -163,14 +176,8 @@ def test_every_page_renders_offline_in_chromium(server, built_book):
         browser = pw.chromium.launch(executable_path=exe, headless=True)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
 
-        def route(r):
-            if urlparse(r.request.url).hostname == "127.0.0.1":
-                r.continue_()
-            else:
-                problems.append(f"{current}: request outside 127.0.0.1: {r.request.url}")
-                r.abort()
-
-        context.route("**/*", route)
+        local_only(context, lambda url: problems.append(
+            f"{current}: request outside 127.0.0.1: {url}"))
         page = context.new_page()
         current = ""
         page.on("console", lambda m: m.type == "error" and problems.append(

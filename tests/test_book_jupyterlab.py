@@ -18,9 +18,9 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
+from test_book import _chromium, local_only
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = "02_stable_state_table.ipynb"
@@ -76,7 +76,7 @@ def lab(tmp_path):
 
 def test_chapter_02_runs_live_and_its_slider_moves_the_figure(lab):
     playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    exe = _chromium()
     if exe is None:
         pytest.skip("chromium not found (apt-get install -y chromium)")
     url, token = lab
@@ -85,14 +85,7 @@ def test_chapter_02_runs_live_and_its_slider_moves_the_figure(lab):
         browser = pw.chromium.launch(executable_path=exe, headless=True)
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
 
-        def route(r):
-            if urlparse(r.request.url).hostname == "127.0.0.1":
-                r.continue_()
-            else:
-                outside.append(r.request.url)
-                r.abort()
-
-        context.route("**/*", route)
+        local_only(context, outside.append)
         page = context.new_page()
         page.goto(f"{url}/lab/tree/{CHAPTER}?token={token}")
         page.wait_for_function(
