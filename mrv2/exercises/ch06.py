@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_kernel
+from mrv2.exercises.checks import ExerciseFailed, _first_diff, _raised, _require_kernel
 from mrv2.kernels.logprobs import compute_topk_logprobs_ref
 
 _ATOL = 1e-4
@@ -84,8 +84,7 @@ def check_sampled_logprobs_kernel(kernel, seed: int = 0) -> None:
                 kernel[(n,)](logits, sampled, logprobs, ranks, v, logits.stride(0),
                              BLOCK_V=BLOCK_V)
         except Exception as e:  # the learner's bug, reported with its case
-            raise ExerciseFailed(f"case {name!r}: the launch raised {type(e).__name__}: "
-                                 f"{str(e)[:400]}") from e
+            raise _raised(name, e, "the launch") from e
         shown = f"N={n}, V={v}, BLOCK_V={BLOCK_V}, sampled={sampled.tolist()}"
         msg = _first_diff("ranks", ranks.numpy(), want_rank.numpy(), name, shown)
         if msg:

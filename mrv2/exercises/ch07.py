@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import triton
 
-from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_kernel
+from mrv2.exercises.checks import ExerciseFailed, _first_diff, _raised, _require_kernel
 from mrv2.kernels.input_prep import post_update_ref
 
 BLOCK = 4
@@ -120,8 +120,7 @@ def check_post_update_kernel(kernel, seed: int = 0) -> None:
                 *(mine[k] for k in _FIELDS), n, mine["token_ids"].shape[1],
                 mine["token_ids"].stride(0), BLOCK=BLOCK)
         except Exception as e:  # the learner's bug, reported with its case
-            raise ExerciseFailed(f"case {name!r}: the launch raised {type(e).__name__}: "
-                                 f"{str(e)[:400]}") from e
+            raise _raised(name, e, "the launch") from e
         shown = (f"num_reqs={n}, {({k: v.tolist() for k, v in step.items() if k != 'num_reqs'})}"
                  f", before: total_len={table['total_len'].tolist()}, num_computed_tokens="
                  f"{table['num_computed_tokens'].tolist()}, max_model_len="

@@ -17,13 +17,15 @@ import numpy as np
 import torch
 
 from mrv2.cuda_graphs import CudaGraphManager, capture_sizes
-from mrv2.exercises.checks import ExerciseFailed, _first_diff, _require_callable, _require_kernel
+from mrv2.exercises.checks import (
+    ExerciseFailed,
+    _first_diff,
+    _raised,
+    _require_callable,
+    _require_kernel,
+)
 from mrv2.kernels.block_table import compute_slot_mappings_ref
 from mrv2.kernels.input_prep import prepare_inputs_ref
-
-
-def _raised(case: str, e: Exception, what: str = "your function") -> ExerciseFailed:
-    return ExerciseFailed(f"case {case!r}: {what} raised {type(e).__name__}: {str(e)[:400]}")
 
 
 def _close_diff(name: str, got, want, case: str, inputs: str, rtol: float = 1e-9) -> str | None:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mrv2.exercises.ch08_10 import _close_diff, _raised
-from mrv2.exercises.checks import ExerciseFailed, _require_callable
+from mrv2.exercises.ch08_10 import _close_diff
+from mrv2.exercises.checks import ExerciseFailed, _raised, _require_callable
 
 _SMALL = {"vocab_size": 101, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,

@@ -23,6 +23,11 @@ class ExerciseFailed(AssertionError):
     """The learner's code gave a wrong answer (or raised) on one case; the message says which."""
 
 
+def _raised(case: str, e: Exception, what: str = "your function") -> ExerciseFailed:
+    """The failure of a case whose learner code raised ``e`` (message cut at 400 chars)."""
+    return ExerciseFailed(f"case {case!r}: {what} raised {type(e).__name__}: {str(e)[:400]}")
+
+
 def _require_kernel(kernel) -> None:
     """``TypeError`` unless ``kernel`` is a Triton kernel (something ``kernel[grid]`` launches)."""
     if not hasattr(kernel, "__getitem__"):
@@ -116,8 +121,7 @@ def check_slot_mapping_kernel(kernel, seed: int = 0) -> None:
                                 t["block_table"], out, t["block_table"].stride(0), block_size,
                                 BLOCK=8)
         except Exception as e:  # the learner's bug, reported with its case
-            raise ExerciseFailed(f"case {name!r}: the launch raised {type(e).__name__}: "
-                                 f"{str(e)[:400]}") from e
+            raise _raised(name, e, "the launch") from e
         shown = {k: v.tolist() for k, v in inp.items() if k != "block_table"}
         msg = _first_diff("slot_mapping", out.numpy(), want.numpy(), name,
                           f"{shown}, block_size={block_size}")
@@ -262,8 +266,7 @@ def check_gumbel_argmax_kernel(kernel, seed: int = 0) -> None:
             kernel[(b,)](logits, noise, temp, out, v, logits.stride(0),
                          BLOCK_V=triton.next_power_of_2(v))
         except Exception as e:  # the learner's bug, reported with its case
-            raise ExerciseFailed(f"case {name!r}: the launch raised {type(e).__name__}: "
-                                 f"{str(e)[:400]}") from e
+            raise _raised(name, e, "the launch") from e
         msg = _first_diff("out", out.numpy(), want.numpy(), name,
                           f"B={b}, V={v}, temperature={temp.tolist()} (greedy below "
                           f"{GREEDY_TEMPERATURE})")
