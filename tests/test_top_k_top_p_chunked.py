@@ -178,6 +178,34 @@ def test_workspace_reuse_empty_batch_and_bad_arguments():
         apply_top_k_top_p_min_p(logits, idx, *knobs, method="chunked", num_pivots=6)
 
 
+def test_cached_workspace_grows_with_the_rows_and_the_default_method():
+    """Without a workspace the dispatcher keeps one per (device, vocab, config) and grows it
+    when a call brings more rows; the default method is chunked on the GPU, row here."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 200
+    mod._WORKSPACES.clear()
+    key = (torch.device(DEVICE), vocab, 64, 128, 16)
+    sizes = []
+    for num_rows in (2, 5, 3, 9):
+        knobs = _knobs([(1.0, 1 + r % 7, 0.3 + 0.06 * r, 0.01 * (r % 3))
+                        for r in range(num_rows)])
+        logits = torch.randn(num_rows, vocab, generator=g) * 3
+        idx = torch.randperm(num_rows, generator=g).to(torch.int32)
+        out = _run(logits, idx, *knobs, **CHUNKED)
+        assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+        sizes.append(mod._WORKSPACES[key].bracket.shape[0])
+    assert sizes == [2, 5, 5, 10]                  # grown (doubled or to fit), never shrunk
+    logits = torch.randn(3, vocab, generator=g)
+    knobs = _knobs([(1.0, 4, 1.0, 0.0)] * 3)
+    idx = torch.arange(3, dtype=torch.int32)
+    mod._WORKSPACES.clear()
+    assert torch.equal(_run(logits, idx, *knobs), apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    # Only the chunked search keeps a workspace: it ran exactly when it is the default.
+    assert bool(mod._WORKSPACES) == (not mod.TRITON_INTERPRET)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunked_matches_row_kernel_and_replays_in_a_cuda_graph(dtype):

@@ -44,12 +44,16 @@ is greedy, has every filter off, or uses min-p alone) exits its programs after r
 a few words, and a block of ``BLOCK_V`` logits with no key inside the bracket skips
 the [BLOCK_V, NUM_PIVOTS] compares (it only adds what lies above the bracket): with a
 tight bracket a round costs about one read of the logits.
-The scratch is ``top_k_top_p_workspace``: pass one in to keep the step path free of
-allocations. ``mrv2/kernels/top_k_top_p_row.py`` holds the one-program-per-row
-version, the default for now everywhere (one launch; under TRITON_INTERPRET also the
-faster one, with fewer programs for the interpreter's Python loop); the chunked search is
-opt-in (``method="chunked"``) until it is timed on a GPU. ``Z`` sums per chunk, so top-p / min-p may differ from the row kernel
-by a token whose mass sits within fp32 rounding of the edge.
+The scratch is ``top_k_top_p_workspace``: pass one in, or let the dispatcher keep one
+per (device, vocab, config), grown when a call has more rows (the sampler runs outside the
+CUDA graphs, so the one-time growth is an ordinary allocation).
+``mrv2/kernels/top_k_top_p_row.py`` holds the one-program-per-row version: the default
+under TRITON_INTERPRET (fewer programs for the interpreter's Python loop), while the chunked
+search is the default on the GPU. On the H200 at 256 x 151,936 (job P, f7465ae,
+``scripts/bench_sampler.py --filter-only``) the chunked search took 0.37-1.9 ms in fp32
+and 0.40-3.4 ms in bf16, the row kernel 4.7-5.5 / 8.2-8.8 ms and torch's sort 4.8 ms.
+``Z`` sums per chunk, so top-p / min-p may differ from the row kernel by a token whose
+mass sits within fp32 rounding of the edge.
 
 Ties exactly at the threshold: every token tied with the threshold value is kept
 (a sort keeps only those that happen to come first). The top token always stays.
@@ -130,6 +134,22 @@ def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
                     dtype=torch.float32, device=device))
 
 
+_WORKSPACES: dict[tuple, TopKTopPWorkspace] = {}
+
+
+def _cached_workspace(num_rows: int, vocab_size: int, device, block_v: int, chunk_v: int,
+                      num_pivots: int) -> TopKTopPWorkspace:
+    """The dispatcher's own scratch for one (device, vocab, config), grown to >= num_rows."""
+    key = (torch.device(device), vocab_size, block_v, chunk_v, num_pivots)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.bracket.shape[0] < num_rows:
+        rows = max(num_rows, 2 * ws.bracket.shape[0] if ws is not None else 0)
+        ws = _WORKSPACES[key] = top_k_top_p_workspace(rows, vocab_size, device,
+                                                      block_v=block_v, chunk_v=chunk_v,
+                                                      num_pivots=num_pivots)
+    return ws
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                             temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, min_p: torch.Tensor, *,
@@ -152,17 +172,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
         block_v, num_pivots, num_warps: launch overrides.
         chunk_v: logits per program of the chunked search (a multiple of block_v).
         workspace: scratch from ``top_k_top_p_workspace`` (else allocated per call).
-        method: ``"row"`` (one program per row, one launch: the default) or
-            ``"chunked"`` (rows x chunks programs, 19 launches on fixed grids; opt-in).
+        method: ``"chunked"`` (rows x chunks programs, 19 launches on fixed grids: the
+            default on the GPU) or ``"row"`` (one program per row, one launch: the default
+            under TRITON_INTERPRET).
 
     Returns:
         ``logits`` itself.
     """
     if method is None:
-        # NOTE: the chunked search is checked against the references under the interpreter
-        # and compiled for sm_90, but not yet timed on a GPU: it stays opt-in until the
-        # H200 says at which sizes its 19 launches beat the row kernel's one.
-        method = "row"
+        method = "row" if TRITON_INTERPRET else "chunked"
     if method not in ("chunked", "row"):
         raise ValueError(f"method must be 'chunked' or 'row', got {method!r}")
     num_rows, vocab_size = logits.shape
@@ -178,8 +196,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
     block_v, chunk_v, num_chunks = _chunked_config(vocab_size, block_v, chunk_v, num_pivots)
     width = _part_width(block_v, chunk_v, num_pivots)
     if workspace is None:
-        workspace = top_k_top_p_workspace(num_rows, vocab_size, logits.device, block_v=block_v,
-                                          chunk_v=chunk_v, num_pivots=num_pivots)
+        workspace = _cached_workspace(num_rows, vocab_size, logits.device, block_v, chunk_v,
+                                      num_pivots)
     bracket, row_f, part = workspace
     if (bracket.shape[0] < num_rows or row_f.shape[0] < num_rows
             or bracket.shape[1] != 4 + 2 * num_pivots
