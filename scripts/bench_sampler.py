@@ -154,13 +154,15 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
     work = logits.clone()
     dt = str(dtype).replace("torch.", "")
     rows = []
-    g_cfgs = ([] if filter_only else [(256, 4)] if smoke else
-              [(bv, nw) for bv in (512, 1024, 2048, 4096, 8192) for nw in (2, 4, 8)])
-    for bv, nw in g_cfgs:
-        us = _time_us(lambda bv=bv, nw=nw: gumbel_sample(logits, idx, temp, seed, pos,
-                                                              block_v=bv, num_warps=nw))
-        rows.append({"kernel": "gumbel", "dtype": dt, "config": f"block_v={bv} warps={nw}",
-                     "us": us})
+    # (block_v, sub_v, warps): sub_v = block_v is the one-pass program of before 2026-12-01.
+    g_cfgs = ([] if filter_only else [(256, 64, 4)] if smoke else
+              [(bv, sv, nw) for bv in (2048, 4096, 8192) for sv in (512, 1024, 2048)
+               if sv <= bv for nw in (4, 8)] + [(4096, 4096, 8), (2048, 2048, 4)])
+    for bv, sv, nw in g_cfgs:
+        us = _time_us(lambda bv=bv, sv=sv, nw=nw: gumbel_sample(
+            logits, idx, temp, seed, pos, block_v=bv, sub_v=sv, num_warps=nw))
+        rows.append({"kernel": "gumbel", "dtype": dt,
+                     "config": f"block_v={bv} sub_v={sv} warps={nw}", "us": us})
     k_cfgs = ([] if filter_only else [(256, 16, None)] if smoke else
               [(bv, np_, nw) for bv in (128, 256, 512, 1024) for np_ in (8, 16, 32)
                for nw in (4, 8)])

@@ -9,12 +9,18 @@ ids, with one row per program so that each row takes its own path.
 
 import math
 
+import pytest
 import torch
 from device_utils import on_device
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.gumbel import gumbel_sample, gumbel_sample_ref
-from mrv2.kernels.gumbel_rng import GREEDY_TEMPERATURE, hash_words_ref, words_to_gumbel_ref
+from mrv2.kernels.gumbel_rng import (
+    GREEDY_TEMPERATURE,
+    gumbel_noise_ref,
+    hash_words_ref,
+    words_to_gumbel_ref,
+)
 
 gumbel_sample = on_device(gumbel_sample)
 _G_TOP = 32 * math.log(2.0)
@@ -93,6 +99,56 @@ def test_fast_path_and_fallback_both_equal_the_reference():
     # and every logit's exact score, without the bound (the interpreter's small tiles)
     assert torch.equal(gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v,
                                      bound=False), out)
+
+
+def test_sub_chunks_of_a_block_equal_the_reference():
+    """A program walks its block ``sub_v`` logits at a time (the GPU default: 1024 of 4096):
+    the running (max, argmax), the runner-up bound and the fallback across sub-chunks give
+    the reference's ids, ties across sub-chunks to the lowest id, all-greedy tiles too."""
+    g = torch.Generator().manual_seed(13)
+    num_rows, vocab, block_v = 24, 700, 256
+    logits = torch.randn(num_rows, vocab, generator=g) * 2
+    logits[0:4] = 0.0                                          # flat rows
+    logits[4:8, 60:70] = 6.0                                   # ties spanning sub-chunks
+    logits[4:8, 200:210] = 6.0
+    logits[8:10, 256:] = float("-inf")                         # whole masked blocks
+    logits[10:12, :] = float("-inf")
+    logits[10:12, 511] = 1.0                                   # the last id of a block
+    logits[12:14, 3] = 1e4
+    temp = torch.rand(num_rows, generator=g) * 1.5 + 0.2
+    temp[14:17] = 0.0                                          # greedy rows
+    seed = torch.randint(0, 2**62, (num_rows,), generator=g)
+    pos = torch.randint(0, 10_000, (num_rows,), generator=g)
+    idx = torch.randperm(num_rows, generator=g).to(torch.int32)
+    ref = gumbel_sample_ref(logits, idx, temp, seed, pos)
+    for sub_v in (32, 128):
+        for block_b, bound in ((1, True), (4, True), (2, False)):
+            out = gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, block_b=block_b,
+                                sub_v=sub_v, bound=bound)
+            assert torch.equal(out, ref), (sub_v, block_b, bound)
+    # The best bound in sub-chunk 1 while the exact winner sits in sub-chunk 0: the earlier
+    # best must stay the runner-up bound when the later sub-chunk takes over.
+    f_seed, f_pos = torch.tensor([77]), torch.tensor([5])
+    hi, _ = hash_words_ref(f_seed, f_pos, 256)
+    noise = gumbel_noise_ref(f_seed, f_pos, 256)[0].double()
+    gap = _bound(hi[0]) - noise                      # bound - exact noise, >= 0
+    a = int(gap[:128].argmin())                      # tight bound, in sub-chunk 0
+    b = 128 + int(gap[128:].argmax())                # loose bound, in sub-chunk 1
+    delta = float(gap[b] - gap[a]) / 2
+    assert delta > 0.05
+    trap = torch.full((1, 256), float("-inf"))
+    trap[0, a] = float(10.0 + delta - noise[a])      # exact: 10 + delta (the winner)
+    trap[0, b] = float(10.0 - noise[b])              # exact: 10, bound: 10 + 2 * delta + ...
+    one = torch.zeros(1, dtype=torch.int32)
+    out = gumbel_sample(trap, one, torch.ones(1), f_seed, f_pos, block_v=256, block_b=1,
+                        sub_v=128, bound=True)
+    assert int(out[0]) == a == int(gumbel_sample_ref(trap, one, torch.ones(1), f_seed, f_pos)[0])
+    greedy = torch.zeros(num_rows)                             # the all-greedy branch
+    out = gumbel_sample(logits, idx, greedy, seed, pos, block_v=block_v, sub_v=32)
+    assert torch.equal(out, gumbel_sample_ref(logits, idx, greedy, seed, pos))
+    for bad in (24, 512, 8):
+        with pytest.raises(ValueError, match="sub_v"):
+            gumbel_sample(logits, idx, temp, seed, pos, block_v=block_v, sub_v=bad)
 
 
 def test_one_block_and_one_row():

@@ -88,6 +88,10 @@ _G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
 _HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
 #: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
 EXACT_TILE = 1 << 14
+#: On the GPU a program walks its block this many logits at a time. NOTE: the whole
+#: 4096-wide block at once needed 160 registers a thread (ptxas, sm_90, 8 warps): one
+#: program per SM, too few loads in flight; 1024 at a time with 4 warps keeps it small.
+_GPU_SUB_V = 1024
 
 
 def _launch_options() -> dict:
@@ -239,43 +243,67 @@ def _fast_log(x, FAST: tl.constexpr):
         return tl.log(x)
 
 
+@triton.jit
+def _merge_argmax(best, best_idx, vals, cols, INT32_MAX: tl.constexpr):
+    # Fold a sub-chunk [BB, SUB] into the running (max, argmax) of earlier, lower-index
+    # sub-chunks; ties go to the lowest index. The first sub-chunk always lands (a row
+    # whose values are all -inf keeps its first id). Also returns the sub-chunk's own max,
+    # its argmax and whether it took over.
+    s1 = tl.max(vals, axis=1)                                                 # [BB]
+    j1 = tl.min(tl.where(vals == s1[:, None], cols[None, :], INT32_MAX), axis=1)
+    take = (s1 > best) | (best_idx == INT32_MAX)
+    return tl.where(take, s1, best), tl.where(take, j1, best_idx), s1, j1, take
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_block_argmax_kernel(
     logits_ptr, idx_mapping_ptr, temperature_ptr, seed_ptr, pos_ptr,    # inputs
     block_max_ptr, block_idx_ptr, out_ptr,                               # outputs
     num_rows, vocab_size,                                                # sizes
     logits_stride, partial_stride,                                       # strides
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-    FAST_LOG: tl.constexpr, BOUND: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SUB_V: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, BOUND: tl.constexpr,
 ):
+    # A program owns BLOCK_V logits of BLOCK_B rows and walks them SUB_V at a time
+    # (few registers per thread, so several programs share an SM), keeping running maxima.
     pid_v = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)                 # [BB]
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)                            # [BV]
+    sub = tl.arange(0, SUB_V)                                                 # [SUB]
     row_mask = rows < num_rows
+    row_off = rows[:, None].to(tl.int64) * logits_stride                      # [BB, 1]
     # Stage 1: per-row knobs through idx_mapping (batch slot -> state row).
     req = tl.load(idx_mapping_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     temp = tl.load(temperature_ptr + req, mask=row_mask, other=0.0)
     greedy = temp < _GREEDY_T
-    # Stage 2: load the logits tile; masked tokens and the tail of the last block are -inf.
-    mask = row_mask[:, None] & (cols < vocab_size)[None, :]
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
-                mask=mask, other=float("-inf")).to(tl.float32)               # [BB, BV]
-    # Stage 3: sampled rows score x / T + g. g needs two hash words, two logs, three
-    # divisions per logit; but g <= -log(~hi / 2**32) (E >= 1 - u, see below), so a bound
-    # from one word and one approximate log per logit finds the one logit that can win.
+    best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+    best_idx = tl.full([BLOCK_B], _INT32_MAX, dtype=tl.int32)
+    # Stage 2: sampled rows score x / T + g (masked tokens and the tail are -inf). g needs
+    # two hash words, two logs, three divisions per logit; but g <= -log(~hi / 2**32)
+    # (E >= 1 - u, see below), so a bound from one word and one approximate log per logit
+    # finds the one logit that can win, and the runner-up bound says whether it surely does.
     if tl.sum((row_mask & (temp >= _GREEDY_T)).to(tl.int32), axis=0) > 0:
         seed = tl.load(seed_ptr + req, mask=row_mask, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         k1, k2 = _row_keys(seed, pos)
         safe_t = tl.where(greedy, 1.0, temp)
+        inv_t = 1.0 / safe_t
         if BOUND:
-            hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF  # [BB, BV]
-            g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
-            ub = tl.where(greedy[:, None], x, x * (1.0 / safe_t)[:, None] + g_max)
-            ub_best = tl.max(ub, axis=1)                                      # [BB]
-            best_idx = tl.min(tl.where(ub == ub_best[:, None], cols[None, :], _INT32_MAX),
-                              axis=1)
-            # The exact score of that one logit (the same IEEE steps as the full path below).
+            ub_2nd = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)  # runner-up bound
+            for s in range(0, BLOCK_V, SUB_V):
+                cols = pid_v * BLOCK_V + s + sub                              # [SUB]
+                mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+                x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
+                            other=float("-inf")).to(tl.float32)               # [BB, SUB]
+                hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF
+                g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR),
+                                           FAST_LOG)
+                ub = tl.where(greedy[:, None], x, x * inv_t[:, None] + g_max)  # [BB, SUB]
+                prev = best
+                best, best_idx, s1, j1, take = _merge_argmax(best, best_idx, ub, cols,
+                                                             _INT32_MAX)
+                s2 = tl.max(tl.where(cols[None, :] == j1[:, None], float("-inf"), ub), axis=1)
+                ub_2nd = tl.maximum(tl.maximum(ub_2nd, s2), tl.where(take, prev, s1))
+            # The exact score of the best-bounded logit (the same IEEE steps as below).
             star_ok = row_mask & (best_idx < vocab_size)
             x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
                              mask=star_ok, other=float("-inf")).to(tl.float32)  # [BB]
@@ -284,27 +312,31 @@ def _gumbel_block_argmax_kernel(
                             tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
             # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
             # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
-            # scores strictly below best, so one candidate left means it is the argmax.
+            # scores strictly below best, so when every other bound is, it is the argmax.
             slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
-            n_cand = tl.sum((ub >= (best - slack)[:, None]).to(tl.int32), axis=1)
-            done = star_ok & (greedy | (n_cand == 1) | (best == float("-inf")))
+            done = star_ok & (greedy | (ub_2nd < best - slack) | (best == float("-inf")))
         else:  # NOTE: the interpreter pays per operation: small tiles skip the bound
             done = row_mask & ~row_mask
-            # (defined in both branches, as a compiled kernel needs; the exact path sets them)
-            best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
-            best_idx = tl.zeros([BLOCK_B], dtype=tl.int32)
         if tl.sum((row_mask & ~done).to(tl.int32), axis=0) > 0:
             # Rare (near-ties, many logits close to the top): every logit's exact score.
-            hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
-            g = _words_to_gumbel(hi, lo)
-            val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
-            # Stage 4: block max, ties to the lowest index; an all -inf block: its first id.
-            best = tl.max(val, axis=1)                                        # [BB]
-            best_idx = tl.min(tl.where(val == best[:, None], cols[None, :], _INT32_MAX),
-                              axis=1)
-    else:
-        best = tl.max(x, axis=1)                                              # [BB]
-        best_idx = tl.min(tl.where(x == best[:, None], cols[None, :], _INT32_MAX), axis=1)
+            best = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)
+            best_idx = tl.full([BLOCK_B], _INT32_MAX, dtype=tl.int32)
+            for s in range(0, BLOCK_V, SUB_V):
+                cols = pid_v * BLOCK_V + s + sub                              # [SUB]
+                mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+                x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
+                            other=float("-inf")).to(tl.float32)               # [BB, SUB]
+                hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
+                g = _words_to_gumbel(hi, lo)
+                val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
+                best, best_idx, _, _, _ = _merge_argmax(best, best_idx, val, cols, _INT32_MAX)
+    else:  # every row greedy: the plain argmax
+        for s in range(0, BLOCK_V, SUB_V):
+            cols = pid_v * BLOCK_V + s + sub                                  # [SUB]
+            mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+            x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
+                        other=float("-inf")).to(tl.float32)                   # [BB, SUB]
+            best, best_idx, _, _, _ = _merge_argmax(best, best_idx, x, cols, _INT32_MAX)
     if SINGLE_BLOCK:
         tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
     else:
@@ -338,7 +370,8 @@ def _argmax_reduce_kernel(
 def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: torch.Tensor,
                   seed: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None, *,
                   block_v: int | None = None, block_b: int | None = None,
-                  num_warps: int | None = None, bound: bool | None = None) -> torch.Tensor:
+                  sub_v: int | None = None, num_warps: int | None = None,
+                  bound: bool | None = None) -> torch.Tensor:
     """Sample one token per row by Gumbel-max, without a softmax and without a CPU sync.
 
     Row ``b`` (state row ``r = idx_mapping[b]``) takes ``argmax(logits[b])`` when
@@ -354,6 +387,9 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         pos: ``[B]`` int64 absolute position of the token each row samples.
         out: optional ``[B]`` int64 to write into.
         block_v, block_b, num_warps: launch overrides (defaults suit the platform).
+        sub_v: logits a program handles at a time inside its block (a power of two
+            dividing ``block_v``; default: 1024 on the GPU, the whole block in the
+            interpreter).
         bound: find each block's candidate by the one-word bound first (``None``: always
             on the GPU; in the interpreter only for tiles over ``EXACT_TILE`` logits).
             The ids are the same either way.
@@ -369,6 +405,11 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block_v, block_b = _blocks(num_rows, vocab_size, block_v, block_b, gpu_block_v=4096)
+    if sub_v is None:
+        sub_v = block_v if TRITON_INTERPRET else min(block_v, _GPU_SUB_V)
+    if sub_v < 16 or sub_v & (sub_v - 1) or block_v % sub_v:
+        raise ValueError(f"sub_v must be a power of two >= 16 dividing block_v ({block_v}), "
+                         f"got {sub_v}")
     num_blocks = triton.cdiv(vocab_size, block_v)
     grid = (triton.cdiv(num_rows, block_b), num_blocks)
     opts = _launch_options()
@@ -376,7 +417,7 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     # depend on it (the slack covers its error).
     fast_log = not TRITON_INTERPRET and torch.version.hip is None
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or (8 if block_v >= 4096 else 4)
+        opts["num_warps"] = num_warps or max(1, min(8, sub_v // 256))
     if bound is None:
         # NOTE: the interpreter pays per operation: on a small tile the exact score of
         # every logit (fewer, wider ops) is cheaper than the bound and its second stage.
@@ -386,14 +427,16 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,
             num_rows, vocab_size, logits.stride(0), 0,
-            BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=True, FAST_LOG=fast_log, **opts)
+            BLOCK_B=block_b, BLOCK_V=block_v, SUB_V=sub_v, SINGLE_BLOCK=True,
+            FAST_LOG=fast_log, **opts)
         return out
     block_max = torch.empty(num_rows, num_blocks, dtype=torch.float32, device=logits.device)
     block_idx = torch.empty(num_rows, num_blocks, dtype=torch.int32, device=logits.device)
     _gumbel_block_argmax_kernel[grid](
         logits, idx_mapping, temperature, seed, pos, block_max, block_idx, out,
         num_rows, vocab_size, logits.stride(0), num_blocks,
-        BLOCK_B=block_b, BLOCK_V=block_v, SINGLE_BLOCK=False, FAST_LOG=fast_log, **opts)
+        BLOCK_B=block_b, BLOCK_V=block_v, SUB_V=sub_v, SINGLE_BLOCK=False,
+        FAST_LOG=fast_log, **opts)
     block_nb = triton.next_power_of_2(num_blocks)
     rb = (min(max(1, 16384 // block_nb), triton.next_power_of_2(num_rows))
           if TRITON_INTERPRET else 4)
