@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
@@ -29,6 +28,7 @@ from mrv2.kernels.layernorm import (
     rms_norm_ref,
 )
 from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
+from mrv2.kernels.skinny_gemm import Linear, linear
 from mrv2.platform import TRITON_INTERPRET
 
 #: Fused Triton kernels for the norms (+ residual add), q/k-norm + RoPE and SiLU * up.
@@ -232,7 +232,7 @@ class Qwen3Attention(_PackedLinears):
         self.q_proj = nn.Linear(d.hidden_size, H * D, bias=qkv_bias)
         self.k_proj = nn.Linear(d.hidden_size, Hkv * D, bias=qkv_bias)
         self.v_proj = nn.Linear(d.hidden_size, Hkv * D, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * D, d.hidden_size, bias=o_bias)
+        self.o_proj = Linear(H * D, d.hidden_size, bias=o_bias)
         self.use_qk_norm = use_qk_norm
         if use_qk_norm:
             self.q_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
@@ -252,7 +252,7 @@ class Qwen3Attention(_PackedLinears):
         md = get_attn_metadata()
         T = hidden_states.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(hidden_states, *self._packed["qkv"])           # [T, (H + 2 H_kv) D]
+        qkv = linear(hidden_states, *self._packed["qkv"])             # [T, (H + 2 H_kv) D]
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)       # views, token stride
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
@@ -287,7 +287,7 @@ class Qwen3MLP(_PackedLinears):
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self._pack()
 
     def _packed_groups(self):
@@ -295,7 +295,7 @@ class Qwen3MLP(_PackedLinears):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = silu_and_mul if FUSED_KERNELS else silu_and_mul_ref
-        gate_up = F.linear(x, *self._packed["gate_up"])                     # [T, 2 * inter]
+        gate_up = linear(x, *self._packed["gate_up"])                       # [T, 2 * inter]
         gate, up = gate_up.chunk(2, dim=-1)                                  # [T, inter] views
         return self.down_proj(act(gate, up))
 
