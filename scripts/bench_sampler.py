@@ -137,10 +137,11 @@ def filter_case(num_rows: int, vocab: int, dtype: torch.dtype, temperature: floa
 
 
 def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
-          filter_only: bool = False) -> list[dict]:
+          filter_only: bool = False, gumbel_only: bool = False) -> list[dict]:
     """Time each kernel alone under a few launch configs (T = 0.6; top_k 20, top_p 0.95).
 
-    ``filter_only``: only the chunked top-k/top-p configs (and the copy they include).
+    ``filter_only``: only the chunked top-k/top-p configs (and the copy they include);
+    ``gumbel_only``: only the Gumbel sampler's (and the copy).
     """
     g = torch.Generator(device=DEVICE).manual_seed(0)
     logits = (torch.randn(num_rows, vocab, device=DEVICE, generator=g) * 3).to(dtype)
@@ -163,7 +164,7 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
             logits, idx, temp, seed, pos, block_v=bv, sub_v=sv, num_warps=nw))
         rows.append({"kernel": "gumbel", "dtype": dt,
                      "config": f"block_v={bv} sub_v={sv} warps={nw}", "us": us})
-    k_cfgs = ([] if filter_only else [(256, 16, None)] if smoke else
+    k_cfgs = ([] if filter_only or gumbel_only else [(256, 16, None)] if smoke else
               [(bv, np_, nw) for bv in (128, 256, 512, 1024) for np_ in (8, 16, 32)
                for nw in (4, 8)])
     for bv, np_, nw in k_cfgs:
@@ -172,7 +173,7 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
             method="row"))
         rows.append({"kernel": "top_k_top_p_row", "dtype": dt,
                      "config": f"block_v={bv} pivots={np_} warps={nw}", "us": us})
-    c_cfgs = ([(64, 256, 16, None)] if smoke else
+    c_cfgs = ([] if gumbel_only else [(64, 256, 16, None)] if smoke else
               [(bv, cv, np_, nw) for bv, cv in ((256, 2048), (128, 4096), (256, 4096),
                                                 (512, 4096)) for np_ in (16, 32)
                for nw in (4, 8)])
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sampler.json"))
     ap.add_argument("--sweep", action="store_true",
                     help="also time block/warp configs of both kernels (fp32 and bf16)")
+    ap.add_argument("--gumbel-only", action="store_true",
+                    help="with --sweep: only the Gumbel sampler's configs")
     ap.add_argument("--filter-only", action="store_true",
                     help="only the top-k/top-p/min-p filter: chunked vs row kernel vs sort")
     args = ap.parse_args(argv)
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
     }
     if args.sweep:
-        report["sweep"] = [r for dt in dtypes for r in sweep(num_rows, vocab, dt, args.smoke)]
+        report["sweep"] = [r for dt in dtypes for r in sweep(num_rows, vocab, dt, args.smoke,
+                                                             gumbel_only=args.gumbel_only)]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
