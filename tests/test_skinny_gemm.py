@@ -30,19 +30,20 @@ def test_matches_f_linear(M, N, K, bias):
 
 def test_strided_rows_empty_batch_and_bad_input():
     g = torch.Generator().manual_seed(3)
-    big = torch.randn(4, 2 * 48, generator=g)
+    big = torch.randn(4, 2 * 48, generator=g).to(DEVICE)
     x = big[:, :48]                                   # row stride 96: rows of a wider tensor
-    w = torch.randn(20, 48, generator=g)
+    w = torch.randn(20, 48, generator=g).to(DEVICE)
     torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert skinny_linear(torch.empty(0, 48), w).shape == (0, 20)
+    assert skinny_linear(torch.empty(0, 48, device=DEVICE), w).shape == (0, 20)
     with pytest.raises(ValueError, match="at most"):
-        skinny_linear(torch.randn(MAX_M + 1, 48), w)
+        skinny_linear(torch.randn(MAX_M + 1, 48, device=DEVICE), w)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
-        skinny_linear(torch.randn(2, 47), w)
+        skinny_linear(torch.randn(2, 47, device=DEVICE), w)
     with pytest.raises(ValueError, match="contiguous"):
-        skinny_linear(torch.randn(48, 2).t(), w)
-    # the model's entry point: F.linear unless enabled on the GPU for small x
-    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+        skinny_linear(torch.randn(48, 2, device=DEVICE).t(), w)
+    # the model's entry point: the kernel on the GPU for <= MODEL_MAX_M rows, else F.linear
+    torch.testing.assert_close(linear(x[:2], w), F.linear(x[:2], w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.gpu

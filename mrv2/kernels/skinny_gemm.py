@@ -10,9 +10,15 @@ stream: a program owns ``BLOCK_N`` output columns (rows of ``W``), walks ``K`` i
 activation rows in registers (no tensor cores: M is far below their 16-row minimum) and
 accumulates in fp32. No split-K, so no reduction kernel and no memset after it.
 
-``skinny_linear`` is opt-in (``MRV2_SKINNY_GEMM=1``, GPU only, ``M <= MAX_M``) until
-``scripts/bench_skinny_gemm.py`` on the H200 says where it beats cuBLAS; the launch
-table below is what that sweep picks. The torch reference is ``F.linear`` itself.
+Where it pays (H200, job R, ``scripts/bench_skinny_gemm.py``, bf16): a 28-layer chain of
+the four Qwen3-0.6B products in one CUDA graph took 528 us against cuBLAS's 828 at M = 1
+(0.64x) and 647 against 766 at M = 2 (0.84x), but 1.4x and 3.9x cuBLAS's time at M = 4
+and 8, where re-reading each weight tile per row in registers loses to tensor cores. Alone
+(L2 flushed) it is about cuBLAS's time, except o_proj (7.5 vs 16.3 us at M = 1): the win
+is mostly the split-K reduction kernels and memsets cuBLAS adds inside the graph. ``bench
+decode`` at batch 1 went from 1.47 to 1.15 wall ms per step. So the model's ``linear``
+takes it for at most ``MODEL_MAX_M`` rows on the GPU (``MRV2_SKINNY_GEMM=0`` turns it
+off), cuBLAS above. The torch reference is ``F.linear`` itself.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from mrv2.platform import TRITON_INTERPRET
 
 #: The most activation rows the kernel takes (it keeps an accumulator per row).
 MAX_M = 8
-#: ``MRV2_SKINNY_GEMM=1``: the model's decode-sized linears use this kernel on the GPU.
-ENABLED: bool = (not TRITON_INTERPRET) and os.environ.get("MRV2_SKINNY_GEMM", "0") == "1"
+#: The model's linears take the kernel up to this many rows (cuBLAS above; see above).
+MODEL_MAX_M = 2
+#: On the GPU unless ``MRV2_SKINNY_GEMM=0``.
+ENABLED: bool = (not TRITON_INTERPRET) and os.environ.get("MRV2_SKINNY_GEMM", "1") != "0"
 
 
 @triton.jit
@@ -71,11 +79,11 @@ def _skinny_gemm_kernel(
 
 
 def _launch(M: int, N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a shape: small column blocks so that even a
-    1024-column product spreads over >= 128 programs, and ~8-16 KB of weights per step."""
-    block_n = 4 if N <= 2048 else 8
+    """(BLOCK_N, BLOCK_K, num_warps) for a shape. Job R's sweep at M = 1: 4 columns and
+    1024-wide K steps with 4 warps was the best launch of qkv, gate_up and down (within 7%
+    for o_proj); 8 columns doubled qkv's time (16.96 vs 8.10 us)."""
     block_k = min(triton.next_power_of_2(K), 1024 if M <= 2 else 512 if M <= 4 else 256)
-    return block_n, block_k, 4
+    return 4, block_k, 4
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -121,7 +129,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The model's linear: ``skinny_linear`` for decode-sized ``x`` when enabled, else
     ``F.linear`` (cuBLAS). The choice reads only shapes, so it is graph- and sync-safe."""
-    if (ENABLED and x.dim() == 2 and x.shape[0] <= MAX_M and x.is_cuda
+    if (ENABLED and x.dim() == 2 and x.shape[0] <= MODEL_MAX_M and x.is_cuda
             and x.stride(1) == 1 and weight.stride(1) == 1):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
