@@ -102,3 +102,18 @@ def test_the_figures_carry_the_label_and_one_bar_per_measurement():
     assert sorted(p.get_height() for p in ax.patches) == [10.0, 30.0]
     assert any(t.get_text() == "3.00x" for t in ax.texts)
     plt.close("all")
+
+
+def test_skinny_chain_figure_one_bar_per_runner_and_rows():
+    from mrv2.bench.book_plots import KINDS, plot_skinny_chain
+
+    res = {"date": "2026-12-01T21:47:00", "hardware": "NVIDIA H200", "git_commit": "abc1234",
+           "alone": [], "chain": [{"M": m, "runner": r, "us_per_step": us, "weight_mb": 881.0}
+                                  for m, r, us in ((1, "cublas", 800.0), (1, "skinny", 500.0),
+                                                   (8, "cublas", 700.0), (8, "skinny", 2800.0))]}
+    assert KINDS["skinny_gemm"](res) and not KINDS["sampler"](res)
+    ax = plot_skinny_chain(res)
+    heights = sorted(p.get_height() for p in ax.patches)
+    assert heights == [500.0, 700.0, 800.0, 2800.0]
+    texts = {t.get_text() for t in ax.texts}
+    assert {"0.62x", "4.00x"} <= texts and "NVIDIA H200, 2026-12-01, commit abc1234" in ax.get_title()

@@ -31,11 +31,16 @@ def _is_sampler(res: dict) -> bool:
         isinstance(r, dict) and "triton_us" in r and "torch_us" in r for r in rows)
 
 
+def _is_skinny_gemm(res: dict) -> bool:
+    return bool(res.get("chain")) and isinstance(res.get("alone"), list)
+
+
 #: Result kinds: what a JSON must hold to be one (``scripts/bench_attention.py``,
-#: ``scripts/bench_sampler.py``).
+#: ``scripts/bench_sampler.py``, ``scripts/bench_skinny_gemm.py``).
 KINDS: dict[str, Callable[[dict], bool]] = {
     "attention_decode": _is_attention_decode,
     "sampler": _is_sampler,
+    "skinny_gemm": _is_skinny_gemm,
 }
 
 
@@ -193,5 +198,35 @@ def plot_sampler(res: dict, ax=None):
     ax.set(ylabel="us per step (log)",
            title=f"sampling {rows[0]['num_rows']} rows x {rows[0]['vocab']:,} tokens "
                  f"(above the bars: torch time / Triton time)\n{result_label(res)}")
+    ax.legend(fontsize=8, loc="upper left")
+    return ax
+
+
+def plot_skinny_chain(res: dict, ax=None):
+    """A decode step's 28 x 4 matrix products in one CUDA graph: cuBLAS vs the weight stream.
+
+    Args:
+        res: a results dict of ``scripts/bench_skinny_gemm.py`` (``chain`` rows with ``M``,
+            ``runner`` (``cublas`` / ``skinny``), ``us_per_step``, ``weight_mb``).
+        ax: a matplotlib axis (default: a new figure).
+
+    Returns:
+        The axis; the bytes-alone time at the copy bandwidth of 4.2 TB/s is a dashed line.
+    """
+    ax = _axis(ax, (7, 3.4))
+    rows = res["chain"]
+    ms = sorted({r["M"] for r in rows})
+    us = {(r["runner"], r["M"]): r["us_per_step"] for r in rows}
+    for off, (runner, label) in zip((-0.2, 0.2), (("cublas", "cuBLAS (F.linear)"),
+                                                  ("skinny", "mrv2 skinny_gemm (Triton)"))):
+        ax.bar([i + off for i in range(len(ms))], [us[(runner, m)] for m in ms], 0.4, label=label)
+    for i, m in enumerate(ms):
+        ax.text(i, max(us[("cublas", m)], us[("skinny", m)]) * 1.03,
+                f"{us[('skinny', m)] / us[('cublas', m)]:.2f}x", ha="center", fontsize=8)
+    ax.axhline(rows[0]["weight_mb"] / 4.2e6 * 1e6, color="black", ls="--", lw=1,
+               label="the weights' bytes at 4.2 TB/s")
+    ax.set_xticks(range(len(ms)), [f"M = {m}" for m in ms])
+    ax.set(ylabel="us per chain", title=f"28 layers x (qkv, o, gate_up, down), "
+           f"{rows[0]['weight_mb']:.0f} MB of bf16 weights, one CUDA graph\n{result_label(res)}")
     ax.legend(fontsize=8, loc="upper left")
     return ax
