@@ -127,5 +127,39 @@ def test_engine_process_reads_a_burst_while_a_step_runs():
     assert stall < step_s / 2, f"the event loop stalled {stall:.2f} s (steps of {step_s} s)"
 
 
+def test_serve_trace_stamps_each_request_in_order_and_summarizes(tmp_path, monkeypatch):
+    import json
+
+    from mrv2 import SamplingParams
+    from mrv2.serve.async_engine import AsyncLLM
+    from mrv2.serve.fake import FakeLLM
+    from mrv2.serve.trace import KEYS, summarize
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MRV2_SERVE_TRACE", str(path))
+    engine = AsyncLLM(FakeLLM(step_ms=5, cpu_ms=0))
+
+    async def main():
+        for i in range(3):
+            async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]},
+                                           SamplingParams(max_tokens=3), f"t{i}"):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        engine.shutdown()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["request_id"] for r in rows] == ["t0", "t1", "t2"]
+    for r in rows:
+        assert set(r) == {"request_id", *KEYS}
+        # NOTE: the reply may resume add_request before or after the first item is read
+        order = ["submit", "sent", "engine_add", "engine_first", "first_item", "first_out", "end"]
+        assert [r[k] for k in order] == sorted(r[k] for k in order)
+        assert r["sent"] <= r["reply"] <= r["first_out"]
+    text = summarize(str(path), last=2)
+    assert text.startswith("2 requests") and "engine_first" in text
+
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

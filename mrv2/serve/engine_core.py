@@ -34,6 +34,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 
@@ -65,6 +66,7 @@ class Head:
     prompt_token_ids: list[int]
     prompt_logprobs: list | None
     num_cached_tokens: int
+    times: tuple[float, float] | None = None  # (engine_add, engine_first): MRV2_SERVE_TRACE
 
 
 class EngineCore:
@@ -73,10 +75,13 @@ class EngineCore:
     Args:
         llm: an ``mrv2.LLM`` (or an object of the same shape: ``llm_engine``,
             ``scheduler``, ``kv_manager``); only this object's owner may call it.
+        trace: stamp when each request was added and got its first token (``Head.times``;
+            ``mrv2/serve/trace.py``).
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm, trace: bool = False):
         self.llm = llm
+        self._t_add: dict[str, float] | None = {} if trace else None
         self.engine = llm.llm_engine
         self._sent: dict[str, int] = {}   # child request id -> tokens handed out
         self._new: set[str] = set()       # request ids whose head was not sent yet
@@ -89,12 +94,16 @@ class EngineCore:
         """Validate and queue one request (``ValueError``/``TypeError``: nothing queued)."""
         self.engine.add_request(request_id, prompt, params)
         self._new.add(request_id)
+        if self._t_add is not None:
+            self._t_add[request_id] = time.perf_counter()
         self.prompt_tokens_total += len(self.engine._groups[request_id][0].prompt_token_ids)
         self.requests_total += 1
 
     def abort(self, request_id: str) -> None:
         """End a request in any state and free its rows and blocks; unknown ids are ignored."""
         self._new.discard(request_id)
+        if self._t_add is not None:
+            self._t_add.pop(request_id, None)
         for req in self.engine._groups.get(request_id, ()):
             self._sent.pop(req.request_id, None)
         self.engine.abort_request(request_id)
@@ -130,6 +139,8 @@ class EngineCore:
                 g = group[0]
                 head = Head(g.prompt, g.prompt_token_ids, g.prompt_logprobs,
                             max(g.num_cached_tokens, 0))
+                if self._t_add is not None:
+                    head.times = (self._t_add.pop(rid, 0.0), time.perf_counter())
             deltas = []
             for r in kids:
                 # NOTE: a plain tuple of _Delta's fields: it pickles ~6x faster than the
@@ -309,7 +320,7 @@ def run_engine_core(conn, factory, kwargs: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = factory(**kwargs)
-        core = EngineCore(llm)
+        core = EngineCore(llm, trace=bool(os.environ.get("MRV2_SERVE_TRACE")))
         tok = None if getattr(llm, "tokenizer", None) is None else (
             kwargs.get("tokenizer") or str(llm.model_path))
         freeze_heap()
