@@ -94,4 +94,5 @@ def run_serve(args) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+        freeze_heap(False)
     return 0

@@ -283,16 +283,23 @@ class Inbox:
             return cmds
 
 
-def freeze_heap() -> None:
+def freeze_heap(on: bool = True) -> None:
     """Move every object alive now out of the garbage collector's reach (``gc.freeze``).
 
     NOTE: called once a process has started (the model, torch, the tokenizer loaded):
     else each full collection walks those hundreds of thousands of objects, a pause of
     ~0.3 s on this CPU (345k objects in the engine process) that stalls every stream at
     once; vLLM freezes its startup heap the same way.
+
+    Args:
+        on: ``False``: unfreeze (at shutdown: else extension modules such as Triton's
+            report their frozen objects as leaks when the interpreter exits).
     """
-    gc.collect()
-    gc.freeze()
+    if on:
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.unfreeze()
 
 
 def _picklable(exc: BaseException) -> BaseException:
@@ -329,6 +336,14 @@ def run_engine_core(conn, factory, kwargs: dict) -> None:
         with contextlib.suppress(Exception):
             conn.send(("error", _picklable(exc)))
         return
+    try:
+        _serve(conn, core)
+    finally:
+        freeze_heap(False)
+
+
+def _serve(conn, core: EngineCore) -> None:
+    """The engine process's loop (``run_engine_core``), until "stop" or EOF."""
     inbox = Inbox(conn)
     while True:
         cmds = inbox.take(block=not core.has_work())  # NOTE: idle: wait for a command

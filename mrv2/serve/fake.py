@@ -184,6 +184,7 @@ def main(argv=None) -> int:
         uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     finally:
         engine.shutdown()
+        freeze_heap(False)
     return 0
 
 
