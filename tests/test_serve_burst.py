@@ -161,5 +161,19 @@ def test_serve_trace_stamps_each_request_in_order_and_summarizes(tmp_path, monke
     assert text.startswith("2 requests") and "engine_first" in text
 
 
+def test_bench_serve_summary_splits_ttft_into_connect_and_head():
+    from mrv2.bench.serve import summarize
+
+    recs = [{"start": 0.0, "connected": 0.5, "head": 1.0, "chunks": [2.0, 3.0], "end": 3.0,
+             "tokens": 2, "error": None},
+            {"start": 1.0, "connected": 4.0, "head": 4.5, "chunks": [5.0], "end": 5.0,
+             "tokens": 1, "error": None},
+            {"start": 0.0, "chunks": [1.0], "end": 1.0, "tokens": 1, "error": None}]  # no stamps
+    s = summarize(recs, duration=5.0, rate=float("inf"), max_concurrency=4, prompt_tokens=6)
+    assert s["connect_ms"]["mean"] == pytest.approx(1750.0)  # 0.5 s and 3 s (a SYN retried)
+    assert s["head_ms"]["p50"] == pytest.approx(2250.0)      # 1 s and 3.5 s
+    assert s["ttft_ms"]["mean"] == pytest.approx(7000.0 / 3)  # 2, 4 and 1 s: all three
+
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
