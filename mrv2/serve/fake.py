@@ -11,7 +11,10 @@ work) plus a sleep to ``step_ms`` (the GPU). Serve it with
         --request-rate inf --max-concurrency 256
 
 ``scripts/bench_serve_api.py`` does this with ``--cpu-ms 0`` and a short step, so the API
-process is the bound, and reports its chunks/s, tokens/s and CPU per chunk.
+process is the bound, and reports its chunks/s, tokens/s and CPU per chunk. With
+``--max-num-batched-tokens 8192 --prefill-ms-per-1k 4`` prompts prefill in chunks under a
+step's token budget, as the real scheduler's, so a burst's TTFT spreads over steps as on a
+GPU (issue 16's reproduction: ``MRV2_SERVE_TRACE``, ``mrv2/serve/trace.py``).
 """
 
 from __future__ import annotations
