@@ -8,7 +8,9 @@ offline benchmarks' protocol, ``mrv2.bench.workloads``; ``top_p=1``, ``top_k=0``
 model's generation-config defaults do not apply). Per request, measured on the
 client: TTFT (send -> first chunk with a choice), ITL (gaps between those chunks; a chunk
 may carry several tokens when the server coalesces), TPOT ((e2e - TTFT) / (tokens - 1)),
-e2e; per rate: p50 / p90 / p99 and output tokens/s over the wall time of the rate.
+e2e, and two parts of TTFT: ``connect_ms`` (the TCP connection up) and ``head_ms`` (the
+response's head: the server admitted the request); per rate: p50 / p90 / p99 and output
+tokens/s over the wall time of the rate.
 
 The client is a few lines of asyncio HTTP/1.1 (not httpx, ~150 us of CPU per chunk) spread
 over ``--client-procs`` processes: at saturation a server streams tens of thousands of
@@ -58,19 +60,24 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in ps}}
 
 
-async def _http_stream(host: str, port: int, path: str, body: bytes):
+async def _http_stream(host: str, port: int, path: str, body: bytes, rec: dict | None = None):
     """POST ``body`` (JSON) over a fresh HTTP/1.1 connection; ``(status, async iterator of the
-    response body's pieces)``.
+    response body's pieces)``. ``rec`` (if given) gets the ``perf_counter`` times the
+    connection was up (``"connected"``) and the response's head came (``"head"``).
 
     NOTE: a few lines of asyncio, not httpx: httpx (h11 underneath) costs ~150 us of CPU per
     streamed chunk, more than the server's own ~90 us (scripts/bench_serve_api.py); at tens of
     thousands of chunks per second a client like that is the bound being measured.
     """
     reader, writer = await asyncio.open_connection(host, port)
+    if rec is not None:
+        rec["connected"] = time.perf_counter()
     writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\nConnection: close\r\n\r\n"
                  % (path.encode(), host.encode(), len(body)) + body)
     head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+    if rec is not None:
+        rec["head"] = time.perf_counter()
     status = int(head.split(None, 2)[1])
 
     async def pieces():
@@ -93,7 +100,7 @@ async def _one(target: tuple[str, int, str], payload: dict) -> dict:
     """One streaming request: its send time, content-chunk times, tokens, error."""
     rec = {"start": time.perf_counter(), "chunks": [], "tokens": 0, "error": None}
     try:
-        status, pieces = await _http_stream(*target, json.dumps(payload).encode())
+        status, pieces = await _http_stream(*target, json.dumps(payload).encode(), rec)
         if status != 200:
             rec["error"] = f"HTTP {status}: {b''.join([p async for p in pieces])[:200]!r}"
             return rec
@@ -213,7 +220,12 @@ def summarize(recs: list[dict], duration: float, rate: float, max_concurrency: i
             "output_tok_s": out_tokens / duration, "request_throughput": len(ok) / duration,
             "total_tok_s": (out_tokens + prompt_tokens) / duration,
             "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
-            "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["end"] - r["start"] for r in ok])}
+            "itl_ms": percentiles(itl), "e2e_ms": percentiles([r["end"] - r["start"] for r in ok]),
+            # NOTE: where a TTFT went: TCP connect (a full accept queue drops SYNs, retried
+            # after 1 s, then 3 s), the response head (the server admitted the request)
+            "connect_ms": percentiles([r["connected"] - r["start"] for r in ok
+                                       if "connected" in r]),
+            "head_ms": percentiles([r["head"] - r["start"] for r in ok if "head" in r])}
 
 
 def _server_info(base_url: str, timeout: float = 5.0) -> dict:

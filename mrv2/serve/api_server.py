@@ -309,26 +309,40 @@ class SSEResponse(Response):
     coroutine waits on ``receive()``: a client that disconnects cancels the body (its
     streams' ``finally`` aborts their requests), then ``on_close`` runs in any case.
 
+    Every event is sent the moment it exists. NOTE: an earlier version held each event
+    back until the next one came (so that the last one could end the body): every token
+    then reached the client one engine step late, the first one too (TTFT + one step).
+    The ``last`` event (``data: [DONE]``) ends the body itself; an iterator that stops
+    without it ends the body with an empty one.
+
     Args:
-        events: an async iterator of ``bytes``, one event each; the last one ends the body.
+        events: an async iterator of ``bytes``, one event each.
         on_close: awaited once the body ended or was cancelled.
+        last: the event that ends a stream.
     """
 
     _HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),
                 (b"cache-control", b"no-cache"))
 
-    def __init__(self, events, on_close):  # NOTE: a Response: FastAPI passes it through as is
-        self.events, self.on_close = events, on_close
+    def __init__(self, events, on_close, last: bytes = b"data: [DONE]\n\n"):
+        # NOTE: a Response: FastAPI passes it through as is
+        self.events, self.on_close, self.last = events, on_close, last
         self.background = None
 
     async def _body(self, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self._HEADERS})
-        prev = None  # NOTE: one event behind, so the last one goes with more_body=False
+        ended = False
         async for event in self.events:
-            if prev is not None:
-                await send({"type": "http.response.body", "body": prev, "more_body": True})
-            prev = event
-        await send({"type": "http.response.body", "body": prev or b"", "more_body": False})
+            ended = event == self.last
+            await send({"type": "http.response.body", "body": event, "more_body": not ended})
+            if ended:
+                break
+        if ended:
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()  # NOTE: its finally blocks run now, not at garbage collection
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         body = asyncio.ensure_future(self._body(send))

@@ -107,7 +107,10 @@ class AsyncLLM:
     def __init__(self, llm=None, trace: Callable[[int, list[str], list[str]], None] | None = None,
                  *, engine_process: bool = False, llm_kwargs: dict | None = None,
                  factory: Callable | None = None, startup_timeout: float = 900.0):
+        from mrv2.serve.trace import RequestTrace
+
         self.trace = trace
+        self._times = RequestTrace.from_env()  # MRV2_SERVE_TRACE: per-request stamps
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: str | None = None   # why the engine is gone (None: it runs)
         self._lock = threading.Lock()
@@ -121,7 +124,7 @@ class AsyncLLM:
         if llm is None:
             raise ValueError("llm: an mrv2.LLM is needed (or engine_process=True)")
         self.llm, self.engine, self.tokenizer = llm, llm.llm_engine, llm.tokenizer
-        self.core = EngineCore(llm)
+        self.core = EngineCore(llm, trace=self._times is not None)
         self._cmds: collections.deque = collections.deque()
         self._cv = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._loop, name="mrv2-engine", daemon=True)
@@ -205,11 +208,21 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         # NOTE: registered before the add: its first tokens may come with the add's reply.
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        times = self._times
+        if times is not None:
+            times.mark(request_id, "submit")
         try:
-            await self._ask("add", request_id, prompt, params)
+            fut = self._post("add", request_id, prompt, params)
+            if times is not None:
+                times.mark(request_id, "sent")
+            await (fut if self.engine_process else asyncio.wrap_future(fut))
         except BaseException:
             self._streams.pop(request_id, None)
+            if times is not None:
+                times.times.pop(request_id, None)
             raise
+        if times is not None:
+            times.mark(request_id, "reply")
         return self._stream(request_id, params, queue)
 
     async def generate(self, prompt, params: SamplingParams | None,
@@ -234,6 +247,7 @@ class AsyncLLM:
                       queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         texts: dict[int, IncrementalText] = {}
         head, first, finished = None, True, False
+        times = self._times
         try:
             while not finished:
                 items = [await queue.get()]
@@ -262,6 +276,11 @@ class AsyncLLM:
                         index=index, text=text.add_ids(ids, final_text), token_ids=ids,
                         cumulative_logprob=cum, logprobs=lps, finish_reason=reason,
                         stop_reason=stop_reason))
+                if first and times is not None:
+                    times.mark(request_id, "first_out")
+                    if head.times is not None:
+                        times.mark(request_id, "engine_add", head.times[0])
+                        times.mark(request_id, "engine_first", head.times[1])
                 yield RequestOutput(request_id=request_id, prompt=head.prompt,
                                     prompt_token_ids=head.prompt_token_ids,
                                     prompt_logprobs=head.prompt_logprobs if first else None,
@@ -269,6 +288,8 @@ class AsyncLLM:
                                     num_cached_tokens=head.num_cached_tokens)
                 first = False
         finally:
+            if times is not None:
+                times.finish(request_id)
             if not finished:  # closed or cancelled early (client gone): free it now
                 self.abort_nowait(request_id)
 
@@ -308,6 +329,10 @@ class AsyncLLM:
     def _dispatch(self, items: list) -> None:
         """Hand a step's items to their streams: one wake-up of each event loop per step."""
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
+        if self._times is not None:
+            for rid, head, _, _ in items:
+                if head is not None:
+                    self._times.mark(rid, "first_item")
         for rid, head, deltas, done in items:
             stream = self._streams.pop(rid, None) if done else self._streams.get(rid)
             if stream is not None:

@@ -87,8 +87,12 @@ def run_serve(args) -> int:
     app = create_app(engine, name, api_key=args.api_key)
     print(f"[serve] {name} on http://{args.host}:{args.port}/v1 ({llm.device}, {llm.dtype})",
           file=sys.stderr, flush=True)
+    from mrv2.serve.engine_core import freeze_heap
+
+    freeze_heap()  # NOTE: what startup loaded is never walked by a full collection again
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+        freeze_heap(False)
     return 0

@@ -18,14 +18,23 @@ builds the ``LLM`` itself, then loops
 where the message of one iteration is ``(replies, items, stats)``: the result (or the
 ``ValueError``/``TypeError``) of each command by its id, the step's items, the counters
 for ``/metrics``. Text is detokenized in the API process (``IncrementalText``).
+
+Commands are read off the pipe by a thread (``Inbox``) the moment they arrive, not only
+between two steps: a burst of requests (a few KB each) fills the pipe's buffer in a few
+dozen requests, and the API process's event loop, which writes them, would block in its
+``send`` for the rest of the step, streaming nothing meanwhile (issue 16).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 import os
 import pickle
 import struct
+import threading
+import time
 from dataclasses import dataclass
 
 
@@ -57,6 +66,7 @@ class Head:
     prompt_token_ids: list[int]
     prompt_logprobs: list | None
     num_cached_tokens: int
+    times: tuple[float, float] | None = None  # (engine_add, engine_first): MRV2_SERVE_TRACE
 
 
 class EngineCore:
@@ -65,10 +75,13 @@ class EngineCore:
     Args:
         llm: an ``mrv2.LLM`` (or an object of the same shape: ``llm_engine``,
             ``scheduler``, ``kv_manager``); only this object's owner may call it.
+        trace: stamp when each request was added and got its first token (``Head.times``;
+            ``mrv2/serve/trace.py``).
     """
 
-    def __init__(self, llm):
+    def __init__(self, llm, trace: bool = False):
         self.llm = llm
+        self._t_add: dict[str, float] | None = {} if trace else None
         self.engine = llm.llm_engine
         self._sent: dict[str, int] = {}   # child request id -> tokens handed out
         self._new: set[str] = set()       # request ids whose head was not sent yet
@@ -81,12 +94,16 @@ class EngineCore:
         """Validate and queue one request (``ValueError``/``TypeError``: nothing queued)."""
         self.engine.add_request(request_id, prompt, params)
         self._new.add(request_id)
+        if self._t_add is not None:
+            self._t_add[request_id] = time.perf_counter()
         self.prompt_tokens_total += len(self.engine._groups[request_id][0].prompt_token_ids)
         self.requests_total += 1
 
     def abort(self, request_id: str) -> None:
         """End a request in any state and free its rows and blocks; unknown ids are ignored."""
         self._new.discard(request_id)
+        if self._t_add is not None:
+            self._t_add.pop(request_id, None)
         for req in self.engine._groups.get(request_id, ()):
             self._sent.pop(req.request_id, None)
         self.engine.abort_request(request_id)
@@ -122,6 +139,8 @@ class EngineCore:
                 g = group[0]
                 head = Head(g.prompt, g.prompt_token_ids, g.prompt_logprobs,
                             max(g.num_cached_tokens, 0))
+                if self._t_add is not None:
+                    head.times = (self._t_add.pop(rid, 0.0), time.perf_counter())
             deltas = []
             for r in kids:
                 # NOTE: a plain tuple of _Delta's fields: it pickles ~6x faster than the
@@ -219,6 +238,70 @@ class MessageReader:
                 return msgs
 
 
+class Inbox:
+    """The engine process's commands, read off ``conn`` by a daemon thread as they come.
+
+    Args:
+        conn: the engine's end of the pipe (its writes stay with the engine loop: a socket
+            is read and written by two threads at once safely).
+    """
+
+    def __init__(self, conn):
+        self._reader = MessageReader(conn)
+        self._cmds: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="mrv2-engine-inbox",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                msgs = self._reader.recv_batch()  # NOTE: waits without the GIL
+            except (EOFError, OSError):
+                msgs = None
+            with self._cv:
+                if msgs is None:
+                    self._closed = True
+                else:
+                    self._cmds.extend(msgs)
+                self._cv.notify()
+            if msgs is None:
+                return
+
+    def take(self, block: bool) -> list | None:
+        """Every command queued so far (``block``: wait for one); ``None``: the pipe closed
+        and nothing is left."""
+        with self._cv:
+            while block and not self._cmds and not self._closed:
+                self._cv.wait()
+            if not self._cmds and self._closed:
+                return None
+            cmds = list(self._cmds)
+            self._cmds.clear()
+            return cmds
+
+
+def freeze_heap(on: bool = True) -> None:
+    """Move every object alive now out of the garbage collector's reach (``gc.freeze``).
+
+    NOTE: called once a process has started (the model, torch, the tokenizer loaded):
+    else each full collection walks those hundreds of thousands of objects, a pause of
+    ~0.3 s on this CPU (345k objects in the engine process) that stalls every stream at
+    once; vLLM freezes its startup heap the same way.
+
+    Args:
+        on: ``False``: unfreeze (at shutdown: else extension modules such as Triton's
+            report their frozen objects as leaks when the interpreter exits).
+    """
+    if on:
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.unfreeze()
+
+
 def _picklable(exc: BaseException) -> BaseException:
     """``exc`` if it survives pickling, else a ``RuntimeError`` with its text."""
     import pickle
@@ -244,23 +327,28 @@ def run_engine_core(conn, factory, kwargs: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = factory(**kwargs)
-        core = EngineCore(llm)
+        core = EngineCore(llm, trace=bool(os.environ.get("MRV2_SERVE_TRACE")))
         tok = None if getattr(llm, "tokenizer", None) is None else (
             kwargs.get("tokenizer") or str(llm.model_path))
+        freeze_heap()
         conn.send(("ready", core.info(tok)))
     except BaseException as exc:  # noqa: BLE001 (the API process raises it)
         with contextlib.suppress(Exception):
             conn.send(("error", _picklable(exc)))
         return
+    try:
+        _serve(conn, core)
+    finally:
+        freeze_heap(False)
+
+
+def _serve(conn, core: EngineCore) -> None:
+    """The engine process's loop (``run_engine_core``), until "stop" or EOF."""
+    inbox = Inbox(conn)
     while True:
-        try:
-            if not core.has_work():
-                conn.poll(None)  # NOTE: idle: block until a command (or EOF) comes
-            cmds = []
-            while conn.poll():
-                cmds.append(conn.recv())
-        except (EOFError, OSError):
-            return
+        cmds = inbox.take(block=not core.has_work())  # NOTE: idle: wait for a command
+        if cmds is None:
+            return  # the API process is gone
         replies = []
         for cmd in cmds:
             if cmd[0] == "stop":
