@@ -184,9 +184,8 @@ class ModelRunner(RunnerInterface):
         ``mrv2/spec_decode/verify_step.py``); ``graph_size`` is the step's graph key (the
         draft model replays its own graph of that key)."""
         num_reqs = batch.num_reqs
-        logits_indices = batch.logits_indices[:num_reqs]
-        idx_mapping = batch.idx_mapping[:num_reqs]
-        positions = batch.seq_lens[:num_reqs]  # the sampled token sits at position seq_len
+        idx_mapping, _, _, positions, logits_indices = self.buffers.req_views(num_reqs)  # [B]
+        # (positions: the sampled token sits at position seq_len)
         spec_rows = None
         if self.spec is not None:
             spec_rows = self.spec.expand(batch, num_scheduled, num_spec_tokens or {})
