@@ -120,7 +120,8 @@ def run_once(llm: LLM, prompts, sp, cprofile: int = 0) -> dict:
             "phases": phases}
 
 
-def main() -> None:
+def main(argv=None) -> dict:
+    """Run the measurement; returns ``{"runs": [...], "cpu_ms_per_step": median}``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=256, help="max_num_seqs")
     p.add_argument("--requests", type=int, default=1024)
@@ -132,8 +133,7 @@ def main() -> None:
     p.add_argument("--sync", action="store_true",
                    help="V2 without async scheduling (the GPU default is async for V2)")
     p.add_argument("--cprofile", type=int, default=0, help="print the top N functions")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    args = p.parse_args(argv)
 
     max_len = args.input_len + args.output_len
     llm = LLM(model=MODEL, runner=args.runner, skip_tokenizer_init=True,
@@ -157,7 +157,9 @@ def main() -> None:
     for n in names:
         vals = [r["phases"].get(n, 0.0) for r in runs]
         print(f"  {n:9s} {statistics.median(vals):7.3f} ms/step")
+    return {"runs": runs, "cpu_ms_per_step": med}
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # the host's Python is what is measured, not torch's threads
     main()
