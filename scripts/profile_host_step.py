@@ -16,7 +16,8 @@ It times ``LLM.generate`` on ``--requests`` prompts of ``--input-len`` tokens, e
 ``--output-len`` tokens, at ``max_num_seqs=--batch``, and reports this thread's CPU ms per engine step (``time.thread_time``: robust on a
 shared machine) and the mean CPU ms per timeline phase (``schedule``, ``prep``, ``forward``, ``sample``,
 ``wait``, ``output``; ``other`` is the rest: the ``LLM`` loop and request bookkeeping).
-With ``--cprofile N`` it also prints the top N functions by cumulative time.
+Each phase is also given as the median over engine calls (the typical decode step, without
+the admission and finishing steps). With ``--cprofile N`` it also prints the top N functions by cumulative time.
 
 Usage::
 
@@ -114,10 +115,18 @@ def run_once(llm: LLM, prompts, sp, cprofile: int = 0) -> dict:
         totals[name] = totals.get(name, 0.0) + (b - a) * 1e3
     phases = {k: v / calls for k, v in totals.items()}
     phases["other"] = wall * 1e3 / calls - sum(phases.values())
+    # The typical step (admission / finishing steps are the outliers): per phase, the
+    # median over calls of its ms in that call.
+    per_call: dict[str, dict[int, float]] = {}
+    for step, name, a, b in tl.cpu_spans:
+        d = per_call.setdefault(name, {})
+        d[step] = d.get(step, 0.0) + (b - a) * 1e3
+    median_phases = {k: statistics.median(list(v.values()) + [0.0] * (calls - len(v)))
+                     for k, v in per_call.items()}
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(cprofile)
     return {"cpu_ms_per_step": wall * 1e3 / calls, "steps": steps, "calls": calls,
-            "phases": phases}
+            "phases": phases, "median_phases": median_phases}
 
 
 def main(argv=None) -> dict:
@@ -154,9 +163,12 @@ def main(argv=None) -> dict:
     print(f"runner {args.runner}, batch {args.batch}, {args.requests} x {args.input_len} in / "
           f"{args.output_len} out, {runs[0]['calls']} engine calls ({runs[0]['steps']} steps)")
     print(f"CPU ms/step: median {med:.3f} of {[round(r['cpu_ms_per_step'], 3) for r in runs]}")
+    print("  phase     mean ms/step  median ms/call")
     for n in names:
         vals = [r["phases"].get(n, 0.0) for r in runs]
-        print(f"  {n:9s} {statistics.median(vals):7.3f} ms/step")
+        meds = [r["median_phases"][n] for r in runs if n in r["median_phases"]]
+        med = f"{statistics.median(meds):15.3f}" if meds else f"{'-':>15s}"
+        print(f"  {n:9s} {statistics.median(vals):12.3f} {med}")
     return {"runs": runs, "cpu_ms_per_step": med}
 
 
