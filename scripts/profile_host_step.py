@@ -167,8 +167,8 @@ def main(argv=None) -> dict:
     for n in names:
         vals = [r["phases"].get(n, 0.0) for r in runs]
         meds = [r["median_phases"][n] for r in runs if n in r["median_phases"]]
-        med = f"{statistics.median(meds):15.3f}" if meds else f"{'-':>15s}"
-        print(f"  {n:9s} {statistics.median(vals):12.3f} {med}")
+        typical = f"{statistics.median(meds):15.3f}" if meds else f"{'-':>15s}"
+        print(f"  {n:9s} {statistics.median(vals):12.3f} {typical}")
     return {"runs": runs, "cpu_ms_per_step": med}
 
 
