@@ -209,14 +209,18 @@ class Engine(FaultContainment):
                     req.prompt_logprobs = prompt_logprobs_to_output(
                         *tensors, req.sampling_params.prompt_logprobs, detok)
         spec = out.num_draft_tokens is not None  # speculative decoding: a run per request
+        # NOTE: this loop runs for every request of every step: locals, not attributes.
+        sampling, unapplied, requests = sched.sampling_req_ids, self._unapplied, \
+            self.scheduler.requests
+        updated, check_stop = self.updated, self._check_stop
         for i, (req_id, run) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
-            if req_id not in sched.sampling_req_ids:
+            if req_id not in sampling:
                 continue  # a prefill chunk that did not reach the end: its sample is discarded
-            self._unapplied.discard(req_id)
-            req = self.scheduler.requests.get(req_id)
+            unapplied.discard(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue  # it finished while this step was in flight: drop the extra sample
-            tokens = run if spec else [run]
+            tokens = run if spec else (run,)
             if spec:  # the rejected drafts: correct the scheduler's bounds, count acceptance
                 observe_spec_output(req, sched.num_spec_tokens.get(req_id, 0), len(tokens),
                                     out.num_draft_tokens[i], self.spec_stats,
@@ -243,10 +247,10 @@ class Engine(FaultContainment):
                         req.logprobs.append(make_logprob_dict(
                             ids, lps, rank, len(ids) - 1 if k == -1 else k, detok))
                         req.cumulative_logprob += lps[0]
-                    if self._check_stop(req, token):
+                    if check_stop(req, token):
                         finished.append(req)
                         break
-                self.updated.append(req)
+                updated.append(req)
             except Exception as exc:  # noqa: BLE001 (the boundary: any error of this request)
                 self._fail(req, f"request {req.request_id!r} failed while processing its "
                            f"output: {exc!r}")
@@ -259,6 +263,11 @@ class Engine(FaultContainment):
         """Apply the stop conditions to ``req`` after it sampled ``token``."""
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
+        # The common case first, with no side effect: none of the conditions below holds.
+        if ((n_out < sp.min_tokens or token not in sp.all_stop_token_ids) and not sp.stop
+                and (sp.max_tokens is None or n_out < sp.max_tokens)
+                and len(req.prompt_token_ids) + n_out < self.max_model_len):
+            return False
         reason = stop_reason = None
         if n_out >= sp.min_tokens and token in sp.all_stop_token_ids:
             reason = "stop"

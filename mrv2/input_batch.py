@@ -65,6 +65,33 @@ class InputBuffers:
                          for _ in range(2)]
         self._staging_np = [s.numpy() for s in self._staging]   # views, for fast writes
         self._step = 0
+        # (n, inference mode) -> the views of the first n slots / tokens (see req_views).
+        self._req_views: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = {}
+        self._token_views: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = {}
+
+    def req_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """``(idx_mapping, num_scheduled_tokens, query_start_loc, seq_lens, logits_indices)``
+        of the first ``n`` batch slots (``query_start_loc``: ``n + 1`` entries).
+
+        NOTE: memoised per size: every slice is an op with its own host cost (~2-5 us on
+        a GPU), a step takes a dozen, and a step's sizes repeat (its CUDA graph's). Keyed
+        by inference mode too, so a view made inside it is never reused outside.
+        """
+        key = (n, torch.is_inference_mode_enabled())
+        views = self._req_views.get(key)
+        if views is None:
+            views = self._req_views[key] = (
+                self.idx_mapping[:n], self.num_scheduled_tokens[:n],
+                self.query_start_loc[:n + 1], self.seq_lens[:n], self.logits_indices[:n])
+        return views
+
+    def token_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, positions)`` of the first ``n`` tokens (memoised as ``req_views``)."""
+        key = (n, torch.is_inference_mode_enabled())
+        views = self._token_views.get(key)
+        if views is None:
+            views = self._token_views[key] = (self.input_ids[:n], self.positions[:n])
+        return views
 
     def stage_and_copy(self, rows: list[int], num_scheduled: list[int],
                        num_reqs_padded: int) -> None:
@@ -149,15 +176,14 @@ def prepare_input_batch(buffers: InputBuffers, state: RequestStateTable,
     state.apply_staged_writes()
     block_tables.apply_staged_writes()
     buffers.stage_and_copy(rows, num_scheduled, num_reqs_padded)
-    idx_mapping = buffers.idx_mapping[:num_reqs_padded]                     # [B]
-    num_scheduled_tokens = buffers.num_scheduled_tokens[:num_reqs_padded]   # [B]
+    # [B], [B], [B + 1], [B], [B]; and [T], [T]
+    idx_mapping, num_scheduled_tokens, query_start_loc, seq_lens, logits_indices = (
+        buffers.req_views(num_reqs_padded))
+    input_ids, positions = buffers.token_views(num_tokens_padded)
     prepare_inputs(idx_mapping, num_scheduled_tokens, num_reqs, num_tokens_padded, state,
                    query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens,
                    input_ids=buffers.input_ids, positions=buffers.positions,
                    logits_indices=buffers.logits_indices)
-    query_start_loc = buffers.query_start_loc[:num_reqs_padded + 1]         # [B + 1]
-    seq_lens = buffers.seq_lens[:num_reqs_padded]                           # [B]
-    positions = buffers.positions[:num_tokens_padded]                       # [T]
     block_table = block_tables.gather_block_tables(idx_mapping, num_reqs)   # [B, max_blocks]
     slot_mapping = block_tables.compute_slot_mappings(
         idx_mapping, query_start_loc, positions, num_reqs, num_tokens_padded)  # [T]
@@ -168,7 +194,6 @@ def prepare_input_batch(buffers: InputBuffers, state: RequestStateTable,
         num_reqs=num_reqs, num_reqs_padded=num_reqs_padded, num_tokens=num_tokens,
         num_tokens_padded=num_tokens_padded, req_ids=list(req_ids),
         idx_mapping=idx_mapping, num_scheduled_tokens=num_scheduled_tokens,
-        input_ids=buffers.input_ids[:num_tokens_padded], positions=positions,
-        query_start_loc=query_start_loc, seq_lens=seq_lens,
-        logits_indices=buffers.logits_indices[:num_reqs_padded],
+        input_ids=input_ids, positions=positions,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, logits_indices=logits_indices,
         slot_mapping=slot_mapping, block_table=block_table, attn_metadata=attn_metadata)

@@ -189,10 +189,15 @@ class KVCacheManager:
             when the pool has too few free blocks (nothing is allocated or held then).
         """
         blocks = self.req_blocks.get(req_id)
+        # NOTE: the common decode step (room left in its last block) returns at once:
+        # this runs for every running request in every step (cdiv inlined).
+        if blocks is not None and not computed_blocks and (
+                -(-num_tokens // self.block_size) <= len(blocks)):
+            return []
         need = cdiv(num_tokens, self.block_size) - len(computed_blocks) - (
             len(blocks) if blocks is not None else 0)
         if need <= 0 and blocks is not None and not computed_blocks:
-            return []  # the common decode step: room left in its last block
+            return []
         need = max(0, need)
         # NOTE: a hit on a free cached block takes it off the free queue too.
         held_from_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)

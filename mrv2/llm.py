@@ -348,7 +348,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         # Validate everything before submitting anything: a bad prompt loses no other request.
         eng = self.llm_engine
-        for sp in params:
+        # NOTE: once per distinct object (verify is idempotent): one SamplingParams for
+        # 1024 prompts is checked once, not 1024 times (~20 us each).
+        for sp in {id(sp): sp for sp in params}.values():
             eng.check_params(sp)
         parsed = [eng.parse_prompt(p, sp.truncate_prompt_tokens) for p, sp in zip(prompts, params)]
         ids = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from mrv2.async_output import AsyncOutput
@@ -149,18 +150,19 @@ class ModelRunner(RunnerInterface):
             if sched.is_empty:
                 return AsyncOutput([], None)
             req_ids = list(sched.num_scheduled_tokens)
-            rows = [self.state.row_of(r) for r in req_ids]
-            num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+            rows = self.state.rows_of(req_ids)
+            num_scheduled = list(sched.num_scheduled_tokens.values())  # in req_ids' order
             num_reqs = len(rows)
+            max_query_len = max(num_scheduled)
             # A uniform decode batch replays the CUDA graph of the next captured size, a
             # speculating one (1 + K tokens each) a speculating decode graph, a small
             # prefill / mixed batch the smallest prefill graph that holds it.
             graph_size = self.cuda_graphs.graph_for(num_reqs, sched.total_num_scheduled_tokens,
-                                                    max(num_scheduled))
+                                                    max_query_len)
             reqs_pad, tokens_pad, _ = (graph_shape(graph_size) if graph_size is not None
                                        else (None, None, None))
             batch = prepare_input_batch(self.buffers, self.state, self.block_tables, req_ids, rows,
-                                        num_scheduled, max_query_len=max(num_scheduled),
+                                        num_scheduled, max_query_len=max_query_len,
                                         max_seq_len=sched.max_seq_len,
                                         num_reqs_padded=reqs_pad, num_tokens_padded=tokens_pad)
         with self._phase("forward"):
@@ -182,9 +184,8 @@ class ModelRunner(RunnerInterface):
         ``mrv2/spec_decode/verify_step.py``); ``graph_size`` is the step's graph key (the
         draft model replays its own graph of that key)."""
         num_reqs = batch.num_reqs
-        logits_indices = batch.logits_indices[:num_reqs]
-        idx_mapping = batch.idx_mapping[:num_reqs]
-        positions = batch.seq_lens[:num_reqs]  # the sampled token sits at position seq_len
+        idx_mapping, _, _, positions, logits_indices = self.buffers.req_views(num_reqs)  # [B]
+        # (positions: the sampled token sits at position seq_len)
         spec_rows = None
         if self.spec is not None:
             spec_rows = self.spec.expand(batch, num_scheduled, num_spec_tokens or {})
@@ -197,7 +198,10 @@ class ModelRunner(RunnerInterface):
             return self.spec.finish(self, batch, spec_rows, verified, logprobs,
                                     prompt_logprobs, rows, graph_size,
                                     hidden=hidden)  # EAGLE reads it
-        out = self.sampler(logits, idx_mapping, positions, rows, self.state)
+        # NOTE: the sampler indexes its per-row CPU flags with ``rows`` several times: an
+        # array once, not a list converted by every index (~15 us each at batch 256).
+        out = self.sampler(logits, idx_mapping, positions, np.asarray(rows, dtype=np.int64),
+                           self.state)
         prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)
         self.sampler.states.append_sampled(batch.idx_mapping, self.buffers.num_scheduled_tokens,
                                            out.sampled, num_reqs, self.state)

@@ -157,6 +157,17 @@ class RequestStateTable:
         except KeyError:
             raise KeyError(f"request {req_id!r} has no row in the state table") from None
 
+    def rows_of(self, req_ids) -> list[int]:
+        """The rows of live requests, in order (``KeyError`` naming the first unknown one).
+
+        NOTE: one C-level map over the dict, not a ``row_of`` call per request: it runs
+        for every request of every step.
+        """
+        try:
+            return list(map(self._row_of.__getitem__, req_ids))
+        except KeyError as exc:
+            raise KeyError(f"request {exc.args[0]!r} has no row in the state table") from None
+
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._row_of
 
