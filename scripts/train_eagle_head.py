@@ -12,20 +12,31 @@ EAGLE-1) and its output ``f_p`` is trained to
 * regress the target's next feature ``h_{p+1}`` (smooth L1, EAGLE's feature loss),
 
 with small uniform noise on the input features (EAGLE-1's trick against the drift of its
-own features in chained steps) and, with ``--unroll 2``, a second pass that feeds the head
-its own features (a cheap version of EAGLE-3's training-time test). The embedding and
-lm_head are the target's and are not saved: the checkpoint holds ``fc.weight`` and
-``layers.0.*`` only, the EAGLE-1 layout vLLM's ``EagleLlamaForCausalLM`` loads
-(``mrv2/spec_decode/eagle_head.py``).
+own features in chained steps) and, with ``--unroll 2`` or ``3``, more passes that feed the
+head its own features of the pass before (the chained draft steps; a cheap version of
+EAGLE-3's training-time test). With ``--teacher-generated F`` a fraction ``F`` of each
+batch's rows are sequences the target itself continued (``distill_draft.teacher_sequences``:
+random training-split prompts, half greedy, half T = 1): at inference the head drafts the
+target's own text. ``--init`` fine-tunes an existing head. The embedding and lm_head are the
+target's and are not saved: the checkpoint holds ``fc.weight`` and ``layers.0.*`` only, the
+EAGLE-1 layout vLLM's ``EagleLlamaForCausalLM`` loads (``mrv2/spec_decode/eagle_head.py``).
 
     python scripts/train_eagle_head.py                                  # GPU, ~1 min
-    python scripts/train_eagle_head.py --device cpu --steps 300 --batch-size 8   # CPU
+    python scripts/train_eagle_head.py --labels target --unroll 3 --teacher-generated 0.75 \
+        --teacher-pool 4096 --steps 3000 --out /tmp/eagle               # GPU, the full recipe
+    python scripts/train_eagle_head.py --device cpu --threads 2 --init mrv2/assets/\
+tiny-qwen3-shakespeare-eagle --labels target --unroll 3 --teacher-generated 0.75 \
+        --teacher-pool 256 --seq-len 128 --batch-size 8 --lr 3e-4 --warmup 30 \
+        --max-train-windows 256 --max-val-windows 32 --time-budget 1200 --out /tmp/eagle  # CPU
     python scripts/train_eagle_head.py --smoke --out /tmp/eagle         # seconds, CPU
     python scripts/train_eagle_head.py --card-only      # re-measure acceptance, rewrite README
 
-After training (not with ``--smoke``) the script measures acceptance with mrv2 itself
-(greedy, K = 3, the same prompts for no speculation, n-gram, the shipped draft model and
-the new head) and writes the model card ``README.md`` with the training figures.
+The kept weights are those of the best validation step: the lowest validation CE, or (with
+target-generated rows, ``--select chain``) the highest summed top-1 of chained passes 1..3
+on the target's greedy continuations of validation-split prompts. After training (not with
+``--smoke``) the script measures acceptance with mrv2 itself (greedy, K = 3 and 5, the same
+prompts for no speculation, n-gram, the shipped draft model, the ``--init`` head and the new
+one) and writes the model card ``README.md`` with the training figures.
 """
 
 from __future__ import annotations
@@ -202,6 +213,19 @@ def evaluate(head, target, val, feats, args, autocast, passes: int = 1,
     return sum(ces) / len(ces), [sum(a[u] for a in accs) / len(accs) for u in range(passes)]
 
 
+def init_config(path: str) -> dict:
+    """The ``--init`` head's config.json (checked before any work).
+
+    Raises:
+        ValueError: naming ``--init`` when the folder holds no head checkpoint.
+    """
+    folder = Path(path)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(f"--init {path!r}: no {name} there (an EAGLE head folder)")
+    return json.loads((folder / "config.json").read_text())
+
+
 def init_head(head, path: str) -> None:
     """Load the EAGLE head in ``path`` into ``head`` (``--init``), fp32.
 
@@ -235,6 +259,8 @@ def main(argv=None) -> dict:
         sys.path.append(str(REPO))
     import mrv2  # noqa: F401  (before transformers: on the CPU it routes Triton to its interpreter)
 
+    if args.init and not args.card_only:
+        init_config(args.init)
     try:
         if not args.card_only:
             stats = train(args, device, cmd)
@@ -314,8 +340,8 @@ def train(args, device, command) -> dict:
         intermediate_size=args.intermediate_size or tcfg.intermediate_size,
         rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta)
     if args.init:  # the checkpoint's MLP width, unless given
-        hcfg.intermediate_size = args.intermediate_size or json.loads(
-            (Path(args.init) / "config.json").read_text())["intermediate_size"]
+        hcfg.intermediate_size = args.intermediate_size or init_config(args.init)[
+            "intermediate_size"]
     head = EagleHead(hcfg).to(device)
     if args.init:
         init_head(head, args.init)
