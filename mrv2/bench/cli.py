@@ -57,14 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of v2, v1, hf (run one after another in this process; "
                         "default v2,v1,hf, with --speculative only v2)")
     p.add_argument("--workload", choices=["standard", "host-bound", "shared-prefix",
-                                          "repetitive"],
+                                          "repetitive", "shakespeare"],
                    default="standard",
                    help="throughput workload (standard: 256 x [100,1024] in/out; "
                         "host-bound: 1024 x 32 in / 128 out; shared-prefix: 256 x (a shared "
                         "1024-token prefix + 64 own tokens) in / 128 out; repetitive: 64 x "
                         "a repeated loop, 128 in / 256 out, greedy: the embedded model's own "
                         "loop, or random repeated 11-grams for another model). latency: "
-                        "shared-prefix and repetitive change its prompts")
+                        "shared-prefix and repetitive change its prompts; shakespeare "
+                        "(latency only): per request a window of the validation split of "
+                        "$MRV2_SHARED_DATA/tinyshakespeare.txt, greedy")
     p.add_argument("--speculative", type=_spec_list, default=None,
                    help="ngram, draft_model, eagle, or a comma list of them: compare v2 "
                         "without and with each in the same job")
@@ -78,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n")
     p.add_argument("--temperature", type=float, default=None,
-                   help="of every request (default 0.6; repetitive: 0, greedy)")
+                   help="of every request (default 0.6; repetitive, shakespeare: 0, greedy)")
     p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="on",
                    help="the mrv2 runners' LLM(enable_prefix_caching=...); both: each runner "
                         "twice, the one without caching labelled <runner>-no-pc")

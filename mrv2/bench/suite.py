@@ -20,9 +20,11 @@ from mrv2.bench.roofline import copy_bandwidth, decode_roofline, workload_roofli
 from mrv2.bench.timing import free_device_memory
 from mrv2.bench.workloads import (
     EMBEDDED_LOOP,
+    SHAKESPEARE_FILE,
     make_workload,
     random_workload,
     repetitive_workload,
+    shakespeare_workload,
     shared_prefix_workload,
 )
 
@@ -41,7 +43,7 @@ class BenchConfig:
     kind: str = "throughput"                  # "throughput" or "latency"
     runners: list[str] = field(default_factory=lambda: ["v2", "v1", "hf"])
     workload: str = "standard"                # "standard", "host-bound", "shared-prefix",
-                                              # "repetitive"
+                                              # "repetitive", "shakespeare" (latency only)
     model: str | None = None                  # None: Qwen3-0.6B config (GPU) / embedded (CPU)
     load_format: str | None = None            # None: "dummy" for a bare config, else "auto"
     dtype: str = "auto"
@@ -83,6 +85,9 @@ class BenchConfig:
     def __post_init__(self):
         if self.kind not in ("throughput", "latency"):
             raise ValueError(f"kind must be 'throughput' or 'latency', got {self.kind!r}")
+        if self.workload == "shakespeare" and self.kind != "latency":
+            raise ValueError("workload 'shakespeare' is a latency workload (bench latency), "
+                             f"not {self.kind}")
         if self.repeats is not None and self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.prefix_caching not in PREFIX_CACHING:
@@ -178,12 +183,24 @@ def is_embedded(spec_model) -> bool:
             pathlib.Path(spec_model.model).resolve() == DEFAULT_MODEL_DIR.resolve()))
 
 
+def _tokenizer(spec_model):
+    """The benchmark model's tokenizer (the embedded model's by default)."""
+    from transformers import AutoTokenizer
+
+    from mrv2.models.loader import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(spec_model.model))
+
+
 def _embedded_loop(spec_model) -> list[int] | None:
     """The embedded model's own loop for ``repetitive`` (``None``: another model)."""
     return EMBEDDED_LOOP if is_embedded(spec_model) else None
 
 
 def _workload_label(cfg: BenchConfig, spec_model, temperature: float) -> str:
+    if cfg.workload == "shakespeare":
+        return (f"shakespeare (a window of {SHAKESPEARE_FILE}'s validation split per request; "
+                f"T={temperature:g})")
     if cfg.workload != "repetitive":
         return cfg.workload
     kind = ("the embedded model's own greedy loop, rotated per request"
@@ -369,6 +386,11 @@ def run_latency(cfg: BenchConfig, log=print) -> dict:
         batches = [repetitive_workload(f"latency-repetitive-b{b}", b, in_len, out_len,
                                        hf_config.vocab_size, cfg.seed,
                                        _embedded_loop(spec_model)) for b in sizes_b]
+    elif cfg.workload == "shakespeare":  # held-out text (speculative decoding), greedy
+        tok = _tokenizer(spec_model)
+        batches = [shakespeare_workload(f"latency-shakespeare-b{b}", b, in_len, out_len,
+                                        shared_data_dir() / SHAKESPEARE_FILE, tok, cfg.seed)
+                   for b in sizes_b]
     else:
         batches = [random_workload(f"latency-b{b}", b, (in_len, in_len), (out_len, out_len),
                                    hf_config.vocab_size, cfg.seed) for b in sizes_b]

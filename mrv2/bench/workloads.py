@@ -16,10 +16,18 @@ natural greedy loop (``EMBEDDED_LOOP``, its continuation repeats it: acceptance 
 for any other model a random ``period``-token n-gram per request, repeated (whether the
 model continues it is up to the model: the benchmark reports the acceptance it measured).
 Greedy by default (``temperature=0``).
+
+``shakespeare`` (speculative decoding, latency): held-out text, where proposers differ. Each
+request's prompt is its own window of the validation split (the last 10% of the characters,
+the split the embedded model and its draft / EAGLE head were not trained on) of
+``$MRV2_SHARED_DATA/tinyshakespeare.txt``, starting at a line start, tokenized with the
+model's tokenizer; greedy. The model's own greedy loop (``repetitive``) is accepted whole by
+every proposer; natural text is not.
 """
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +55,10 @@ TEMPERATURE = 0.6
 EMBEDDED_LOOP = [952, 26, 199, 47, 12, 292, 359, 850, 1, 199, 199]
 #: ``repetitive`` with another model: the length of each request's random repeated n-gram.
 REPETITIVE_PERIOD = 11
+#: ``shakespeare``: the text's file name in $MRV2_SHARED_DATA, and where its validation split
+#: starts (the fraction of the characters before it: the training scripts' split).
+SHAKESPEARE_FILE = "tinyshakespeare.txt"
+SHAKESPEARE_VAL_START = 0.9
 
 
 @dataclass
@@ -216,6 +228,60 @@ def repetitive_workload(name: str, num_requests: int, input_len: int, output_len
         unit = (loop[i % len(loop):] + loop[:i % len(loop)] if loop is not None
                 else rs.randint(0, vocab_size, size=REPETITIVE_PERIOD).tolist())
         prompts.append((unit * (input_len // len(unit) + 1))[:input_len])
+    return Workload(name, prompts, [output_len] * num_requests, temperature)
+
+
+def shakespeare_workload(name: str, num_requests: int, input_len: int, output_len: int,
+                         text_path, tokenizer, seed: int = 0,
+                         temperature: float = 0.0) -> Workload:
+    """Held-out prompts: one window of the text's validation split per request.
+
+    Each prompt is the first ``input_len`` tokens of the text from a line start of the
+    validation split (the last ``1 - SHAKESPEARE_VAL_START`` of the characters), the line
+    starts drawn without replacement (``RandomState([seed, 11])``), so every request has its
+    own prompt and the same seed gives the same prompts.
+
+    Args:
+        name: workload name.
+        num_requests, input_len, output_len: sizes (fixed lengths).
+        text_path: the text (``$MRV2_SHARED_DATA/tinyshakespeare.txt``).
+        tokenizer: the model's (a Hugging Face tokenizer: ``encode(text,
+            add_special_tokens=False)``).
+        seed: seeds the choice of windows.
+        temperature: of every request (greedy by default).
+
+    Returns:
+        The ``Workload``.
+
+    Raises:
+        FileNotFoundError: no file at ``text_path``.
+        ValueError: bad sizes, or a split with too few line starts or too little text.
+    """
+    for what, v in (("num_requests", num_requests), ("input_len", input_len),
+                    ("output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"{what} must be >= 1, got {v}")
+    path = pathlib.Path(text_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"the shakespeare workload reads {path}: not found (set "
+                                f"MRV2_SHARED_DATA to the folder holding {SHAKESPEARE_FILE})")
+    text = path.read_text(encoding="utf-8")
+    val = text[int(SHAKESPEARE_VAL_START * len(text)):]
+    # Line starts with enough text after them: 8 characters per token is ample here.
+    span = 8 * input_len
+    starts = [i + 1 for i, c in enumerate(val[:max(0, len(val) - span)]) if c == "\n"]
+    if len(starts) < num_requests:
+        raise ValueError(f"{path}: its validation split has {len(starts)} line starts with "
+                         f"{span} characters after them, fewer than num_requests="
+                         f"{num_requests}")
+    picks = np.random.RandomState([seed, 11]).choice(len(starts), num_requests, replace=False)
+    prompts = []
+    for i in picks:
+        ids = tokenizer.encode(val[starts[i]:starts[i] + span], add_special_tokens=False)
+        if len(ids) < input_len:
+            raise ValueError(f"{path}: a window of {span} characters gave only {len(ids)} "
+                             f"tokens, fewer than input_len={input_len}")
+        prompts.append(list(ids[:input_len]))
     return Workload(name, prompts, [output_len] * num_requests, temperature)
 
 
