@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -147,3 +148,17 @@ def test_the_embedded_model_named_by_its_folder_is_recognised():
     cfg = suite.BenchConfig(kind="latency", runners=["v2"], speculative="draft_model")
     variants = suite.spec_variants(cfg, ModelSpec(str(DEFAULT_MODEL_DIR) + "/"))
     assert variants[1][1]["model"] == str(spec_bench.EMBEDDED_DRAFT_DIR)
+
+
+def test_cli_parses_speculative_methods_before_anything_imports_triton():
+    """``--speculative`` is parsed (importing the proposers, hence Triton kernels) before the
+    CLI imports mrv2.platform: on a CPU the interpreter must already be on by then."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "mrv2", "bench", "latency", "--speculative",
+                           "bogus"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--speculative takes one or a comma list of" in proc.stderr
+    assert "ImportError" not in proc.stderr

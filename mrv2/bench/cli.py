@@ -37,6 +37,9 @@ def _runner_list(text: str) -> list[str]:
 
 
 def _spec_list(text: str) -> str:
+    # NOTE: argparse calls this before the CLI imports mrv2.platform, and mrv2.bench.spec
+    # pulls in Triton kernels: the platform must decide the interpreter first.
+    from mrv2 import platform  # noqa: F401
     from mrv2.bench.spec import METHODS
 
     names = [x.strip() for x in text.split(",") if x.strip()]
