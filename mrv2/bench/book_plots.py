@@ -225,6 +225,7 @@ def plot_skinny_chain(res: dict, ax=None):
                 f"{us[('skinny', m)] / us[('cublas', m)]:.2f}x", ha="center", fontsize=8)
     ax.axhline(rows[0]["weight_mb"] / 4.2e6 * 1e6, color="black", ls="--", lw=1,
                label="the weights' bytes at 4.2 TB/s")
+    ax.set_ylim(0, max(us.values()) * 1.15)                    # room for the ratios
     ax.set_xticks(range(len(ms)), [f"M = {m}" for m in ms])
     ax.set(ylabel="us per chain", title=f"28 layers x (qkv, o, gate_up, down), "
            f"{rows[0]['weight_mb']:.0f} MB of bf16 weights, one CUDA graph\n{result_label(res)}")
