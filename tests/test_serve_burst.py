@@ -177,3 +177,26 @@ def test_bench_serve_summary_splits_ttft_into_connect_and_head():
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_warm_up_fills_one_step_budget_on_the_gpu_only(monkeypatch):
+    """The engine process's warm-up: nothing on the CPU; on the GPU one burst of prompts
+    that fills max_num_batched_tokens (here with the platform flag forced, on the CPU)."""
+    from mrv2 import LLM, platform
+    from mrv2.serve.engine_core import warm_up
+
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=32)
+    calls = []
+    real = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda prompts, params, **kw: calls.append(
+        (prompts, params)) or real(prompts, params, **kw))
+    warm_up(llm)
+    assert calls == []                                   # CPU: no warm-up
+    monkeypatch.setattr(platform, "HAS_CUDA", True)
+    warm_up(llm)
+    (prompts, params), = calls
+    lens = [len(p["prompt_token_ids"]) for p in prompts]
+    assert lens == [30, 30] and sum(lens) >= 48          # one step's budget, max_model_len - 2
+    assert params.max_tokens == 2 and params.ignore_eos
+    warm_up(object())                                    # not an LLM (the fake): nothing
+    assert len(calls) == 1
