@@ -246,6 +246,14 @@ def _fast_log(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size):
+    # A [BB, SUB] piece of the logits in fp32; masked rows and the tail past V are -inf.
+    mask = row_mask[:, None] & (cols < vocab_size)[None, :]
+    return tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
+                   other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _merge_argmax(best, best_idx, vals, cols, INT32_MAX: tl.constexpr):
     # Fold a sub-chunk [BB, SUB] into the running (max, argmax) of earlier, lower-index
     # sub-chunks; ties go to the lowest index. The first sub-chunk always lands (a row
@@ -293,9 +301,7 @@ def _gumbel_block_argmax_kernel(
             ub_2nd = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)  # runner-up bound
             for s in range(0, BLOCK_V, SUB_V):
                 cols = pid_v * BLOCK_V + s + sub                              # [SUB]
-                mask = row_mask[:, None] & (cols < vocab_size)[None, :]
-                x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
-                            other=float("-inf")).to(tl.float32)               # [BB, SUB]
+                x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
                 hi_c = _hash_hi(k1[:, None], k2[:, None], cols[None, :]) ^ 0xFFFFFFFF
                 g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR),
                                            FAST_LOG)
@@ -325,9 +331,7 @@ def _gumbel_block_argmax_kernel(
             best_idx = tl.full([BLOCK_B], _INT32_MAX, dtype=tl.int32)
             for s in range(0, BLOCK_V, SUB_V):
                 cols = pid_v * BLOCK_V + s + sub                              # [SUB]
-                mask = row_mask[:, None] & (cols < vocab_size)[None, :]
-                x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
-                            other=float("-inf")).to(tl.float32)               # [BB, SUB]
+                x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
                 hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
                 g = _words_to_gumbel(hi, lo)
                 val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
@@ -335,9 +339,7 @@ def _gumbel_block_argmax_kernel(
     else:  # every row greedy: the plain argmax
         for s in range(0, BLOCK_V, SUB_V):
             cols = pid_v * BLOCK_V + s + sub                                  # [SUB]
-            mask = row_mask[:, None] & (cols < vocab_size)[None, :]
-            x = tl.load(logits_ptr + row_off + cols[None, :], mask=mask,
-                        other=float("-inf")).to(tl.float32)                   # [BB, SUB]
+            x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
             best, best_idx, _, _, _ = _merge_argmax(best, best_idx, x, cols, _INT32_MAX)
     if SINGLE_BLOCK:
         tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)

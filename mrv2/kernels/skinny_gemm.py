@@ -59,17 +59,15 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
-        if EVEN_K:
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                        mask=n_mask[:, None], other=0.0)                     # [BN, BK]
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                        mask=m_mask[:, None], other=0.0)                     # [BM, BK]
-        else:
-            k_mask = k < K
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None]                                             # [BN, 1]
+        x_mask = m_mask[:, None]                                             # [BM, 1]
+        if not EVEN_K:  # NOTE: a K that BLOCK_K divides needs no mask along K
+            w_mask = w_mask & (k < K)[None, :]
+            x_mask = x_mask & (k < K)[None, :]
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                    mask=w_mask, other=0.0)                                  # [BN, BK]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                    mask=x_mask, other=0.0)                                  # [BM, BK]
         prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BM, BN, BK]
         acc += tl.sum(prod, axis=2)                                          # [BM, BN]
     if HAS_BIAS:

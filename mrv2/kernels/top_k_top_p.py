@@ -171,7 +171,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
         min_p: ``[R]`` float32 (<= 0: off).
         block_v, num_pivots, num_warps: launch overrides.
         chunk_v: logits per program of the chunked search (a multiple of block_v).
-        workspace: scratch from ``top_k_top_p_workspace`` (else allocated per call).
+        workspace: scratch from ``top_k_top_p_workspace`` (else the dispatcher's own, kept
+            per device, vocab and config and grown to the rows).
         method: ``"chunked"`` (rows x chunks programs, 19 launches on fixed grids: the
             default on the GPU) or ``"row"`` (one program per row, one launch: the default
             under TRITON_INTERPRET).
