@@ -31,6 +31,7 @@ from mrv2.block_table import BlockTables
 from mrv2.config import CacheConfig, SchedulerConfig
 from mrv2.cuda_graphs import graph_shape, make_graph_manager
 from mrv2.input_batch import InputBatch, InputBuffers, prepare_input_batch
+from mrv2.kernels.top_k_top_p import reserve_top_k_top_p_workspace
 from mrv2.kv_cache import cdiv
 from mrv2.model_state import ModelState
 from mrv2.runner_interface import RunnerInterface
@@ -91,6 +92,10 @@ class ModelRunner(RunnerInterface):
         # Every per-row sampling setting, rule and history lives in the sampler's states.
         self.sampler = Sampler(SamplingStates(self.max_num_reqs, self.vocab_size, device,
                                               logits_processors))
+        # NOTE: the top-k/top-p scratch is sized here, once: no step allocates it.
+        reserve_top_k_top_p_workspace(
+            self.max_num_reqs * (1 + (0 if self.spec is None else self.spec.k)),
+            self.vocab_size, self.device)
         self.prompt_logprobs = PromptLogprobsAccumulator(self.model_state.compute_logits)
         self.timeline = None  # a mrv2.timeline.Timeline, set by the engine when recording
         use_graphs = self.device.type == "cuda" and not enforce_eager

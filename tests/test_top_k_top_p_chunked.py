@@ -206,6 +206,29 @@ def test_cached_workspace_grows_with_the_rows_and_the_default_method():
     assert bool(mod._WORKSPACES) == (not mod.TRITON_INTERPRET)
 
 
+def test_reserve_sizes_the_dispatcher_workspace_once():
+    """``reserve_top_k_top_p_workspace`` makes the scratch a later call of up to that many
+    rows uses, so a step never allocates (the GPU soak's memory_allocated check found the
+    growth); off the GPU it keeps nothing, the row method needing no scratch."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    mod._WORKSPACES.clear()
+    mod.reserve_top_k_top_p_workspace(12, 300, DEVICE)
+    if mod.TRITON_INTERPRET or torch.device(DEVICE).type != "cuda":
+        assert not mod._WORKSPACES
+        return
+    (ws,) = mod._WORKSPACES.values()
+    assert ws.bracket.shape[0] == 12
+    knobs = tuple(t.to(DEVICE) for t in _knobs([(1.0, 3, 0.7, 0.0)] * 7))
+    logits = torch.randn(7, 300, device=DEVICE)
+    idx = torch.arange(7, dtype=torch.int32, device=DEVICE)
+    before = torch.cuda.memory_allocated()
+    apply_top_k_top_p_min_p(logits, idx, *knobs)
+    assert next(iter(mod._WORKSPACES.values())) is ws        # the same scratch, not regrown
+    assert torch.cuda.memory_allocated() == before
+    mod._WORKSPACES.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_chunked_matches_row_kernel_and_replays_in_a_cuda_graph(dtype):

@@ -150,6 +150,25 @@ def _cached_workspace(num_rows: int, vocab_size: int, device, block_v: int, chun
     return ws
 
 
+def reserve_top_k_top_p_workspace(num_rows: int, vocab_size: int, device) -> None:
+    """Grow the dispatcher's own scratch to ``num_rows`` now, at start-up.
+
+    The runner calls this once with its most sampled rows, so no step allocates (the
+    cache otherwise grows on the first call with more rows: memory that appears mid-run).
+    A no-op off the GPU, where the row method needs no scratch.
+
+    Args:
+        num_rows: the most logits rows one call will pass (e.g. ``max_num_reqs * (1 + K)``).
+        vocab_size: the logits' last dim.
+        device: where the logits will live.
+    """
+    if TRITON_INTERPRET or torch.device(device).type != "cuda" or num_rows <= 0:
+        return
+    num_pivots = 16  # apply_top_k_top_p_min_p's default
+    block_v, chunk_v, _ = _chunked_config(vocab_size, None, None, num_pivots)
+    _cached_workspace(num_rows, vocab_size, device, block_v, chunk_v, num_pivots)
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                             temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, min_p: torch.Tensor, *,
