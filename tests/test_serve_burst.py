@@ -179,13 +179,15 @@ if __name__ == "__main__":
     pytest.main([__file__, "-q"])
 
 
-def test_warm_up_fills_one_step_budget_on_the_gpu_only(monkeypatch):
-    """The engine process's warm-up: nothing on the CPU; on the GPU one burst of prompts
-    that fills max_num_batched_tokens (here with the platform flag forced, on the CPU)."""
+def test_warm_up_is_a_burst_that_chunks_prefills_on_the_gpu_only(monkeypatch):
+    """The engine process's warm-up: nothing on the CPU; on the GPU one burst (here with the
+    platform flag forced, on the CPU) whose prompts of spread lengths overflow one step's
+    token budget, so prefills split across steps and run beside decodes, and whose output
+    lengths are staggered, so the decode batch shrinks through its sizes."""
     from mrv2 import LLM, platform
     from mrv2.serve.engine_core import warm_up
 
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=32)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=64)
     calls = []
     real = llm.generate
     monkeypatch.setattr(llm, "generate", lambda prompts, params, **kw: calls.append(
@@ -196,7 +198,61 @@ def test_warm_up_fills_one_step_budget_on_the_gpu_only(monkeypatch):
     warm_up(llm)
     (prompts, params), = calls
     lens = [len(p["prompt_token_ids"]) for p in prompts]
-    assert lens == [30, 30] and sum(lens) >= 48          # one step's budget, max_model_len - 2
-    assert params.max_tokens == 2 and params.ignore_eos
+    assert len(lens) == 4 and len(set(lens)) > 1          # spread lengths
+    assert max(lens) <= 64 - 17 and sum(lens) > 48        # more than one step's budget
+    assert [p.max_tokens for p in params] == [1, 2, 3, 4] and all(p.ignore_eos for p in params)
     warm_up(object())                                    # not an LLM (the fake): nothing
     assert len(calls) == 1
+
+
+def test_engine_loop_reports_the_steps_that_compiled(tmp_path, monkeypatch, capsys):
+    """The engine process's loop counts Triton compiles per step (Triton's cache-miss hook):
+    a step that compiled is named on stderr and, when tracing, in ``<trace>.steps.jsonl``,
+    which ``mrv2.serve.trace`` lists. A stand-in core calls the hook as a compile would."""
+    import json
+    import threading
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    from mrv2.serve import engine_core
+    from mrv2.serve.trace import summarize
+
+    class Core:
+        num_steps, left = 0, 3
+
+        def has_work(self):
+            return self.left > 0
+
+        def step(self):
+            self.num_steps += 1
+            self.left -= 1
+            if self.num_steps == 2:  # what Triton does on a kernel variant's first launch
+                knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="_paged_attention_kernel"))
+            return []
+
+        def stats(self):
+            return {}
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MRV2_SERVE_TRACE", str(trace))
+    ours, theirs = Pipe()
+    thread = threading.Thread(target=engine_core._serve, args=(theirs, Core()), daemon=True)
+    thread.start()
+    for _ in range(3):
+        assert ours.poll(10)
+        ours.recv()
+    ours.send(("stop",))
+    thread.join(10)
+    assert not thread.is_alive()
+    assert knobs.runtime.jit_cache_hook is None                  # the hook is put back
+    err = capsys.readouterr().err
+    assert "engine step 2: 1 Triton kernel variant(s) compiled" in err
+    assert "_paged_attention_kernel" in err and "engine step 1" not in err
+    (step,) = [json.loads(line) for line in open(f"{trace}.steps.jsonl")]
+    assert step["step"] == 2 and step["compiled"] == ["_paged_attention_kernel"]
+    trace.write_text(json.dumps({"request_id": "r", "submit": step["end"] - 0.5,
+                                 "end": step["end"] + 0.1}) + "\n")
+    text = summarize(str(trace))
+    assert "engine steps that compiled Triton kernels in this window: 1" in text
+    assert "step 2 ended 500 ms" in text

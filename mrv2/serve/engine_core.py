@@ -314,14 +314,18 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def warm_up(llm) -> None:
-    """One burst through the engine before it serves, on the GPU: a prefill step that fills
-    the token budget (as a burst of clients does), then a decode step at that batch.
+    """Meet a burst's shapes before the first client, on the GPU (a few seconds at start).
 
-    NOTE: at rate inf on the H200 (job S) nearly every request reached the engine ~1.4 s
-    late, behind one early step of the burst, and the first tokens waited behind it; a
-    kernel first met at a burst's shapes, compiled inside that step, would do that. This
-    meets those shapes before the first client (a few seconds at startup); whether it was
-    the cause is for the next GPU run to show (``bench serve --request-rate inf,inf``).
+    A burst of clients makes steps that a trickle never does: prompts split across steps
+    (chunked prefill: a prefill with cached context), prefill chunks beside decodes, and a
+    decode batch that shrinks through every size as requests finish. Each Triton kernel
+    variant first met there compiles inside that step, and every stream waits behind it.
+    So this runs one such burst: ``n`` prompts of spread lengths summing to about three
+    steps' token budgets, with output lengths staggered from 1 to 16 tokens.
+
+    NOTE: job T (H200): with a warm-up of one budget-filling step (prompts that divided the
+    budget exactly, so nothing chunked) the first rate-inf burst still had a 1.3 s step
+    after its first ~40 adds and TTFT p50 2.9 s; the second burst, 0.35 s.
     """
     from mrv2 import platform
     from mrv2.llm import LLM
@@ -330,13 +334,34 @@ def warm_up(llm) -> None:
     if not platform.HAS_CUDA or not isinstance(llm, LLM):
         return                     # the interpreter compiles nothing; the fake has no kernels
     sched = llm.scheduler_config
-    plen = max(1, min(512, sched.max_model_len - 2))
-    n = max(1, min(sched.max_num_seqs, -(-sched.max_num_batched_tokens // plen)))
+    longest = max(1, min(1024, sched.max_model_len - 17))
+    n = max(1, min(sched.max_num_seqs, 96))
+    # Lengths spread over [longest / 8, longest], scaled so the total is ~3 budgets.
+    spread = [longest // 8 + (i * 7919) % max(1, longest - longest // 8) for i in range(n)]
+    scale = min(1.0, 3 * sched.max_num_batched_tokens / max(1, sum(spread)))
+    lens = [max(1, min(longest, int(x * scale))) for x in spread]
     vocab = llm.hf_config.vocab_size
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % vocab for j in range(plen)]}
-               for i in range(n)]
-    llm.generate(prompts, SamplingParams(temperature=0.6, max_tokens=2, ignore_eos=True,
-                                         seed=0), use_tqdm=False)
+               for i, plen in enumerate(lens)]
+    params = [SamplingParams(temperature=0.6, max_tokens=1 + i % 16, ignore_eos=True, seed=i)
+              for i in range(n)]
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+def _report_compiles(core: EngineCore, compiled: list[str], start: int, step_s: float,
+                     steps_path: str | None) -> None:
+    """Say so when a serving step compiled Triton kernels (the warm-up missed a shape)."""
+    import json
+    import sys
+
+    names = sorted(set(compiled[start:]))
+    print(f"[serve] engine step {core.num_steps}: {len(compiled) - start} Triton kernel "
+          f"variant(s) compiled inside it ({step_s * 1e3:.0f} ms; {', '.join(names)})",
+          file=sys.stderr, flush=True)
+    if steps_path:
+        with open(steps_path, "a") as f:
+            f.write(json.dumps({"step": core.num_steps, "end": time.perf_counter(),
+                                "ms": step_s * 1e3, "compiled": names}) + "\n")
 
 
 def run_engine_core(conn, factory, kwargs: dict) -> None:
@@ -372,6 +397,15 @@ def run_engine_core(conn, factory, kwargs: dict) -> None:
 
 def _serve(conn, core: EngineCore) -> None:
     """The engine process's loop (``run_engine_core``), until "stop" or EOF."""
+    from mrv2.bench.timing import count_triton_compiles
+
+    trace = os.environ.get("MRV2_SERVE_TRACE")
+    steps_path = trace + ".steps.jsonl" if trace else None  # steps that compiled
+    with count_triton_compiles() as compiled:
+        _loop(conn, core, compiled, steps_path)
+
+
+def _loop(conn, core: EngineCore, compiled: list[str], steps_path: str | None) -> None:
     inbox = Inbox(conn)
     while True:
         cmds = inbox.take(block=not core.has_work())  # NOTE: idle: wait for a command
@@ -389,10 +423,13 @@ def _serve(conn, core: EngineCore) -> None:
                 replies.append((cid, _picklable(exc)))
         items = []
         if core.has_work():
+            start, t0 = len(compiled), time.perf_counter()
             try:
                 items = core.step()
             except Exception as exc:  # noqa: BLE001 (the whole step failed: tell everyone)
                 items = core.fail_all(f"engine step failed: {exc!r}")
+            if len(compiled) > start:
+                _report_compiles(core, compiled, start, time.perf_counter() - t0, steps_path)
         try:
             conn.send((replies, items, core.stats()))
         except (EOFError, OSError):

@@ -99,6 +99,14 @@ def summarize(path: str, last: int | None = None) -> str:
         if len(v):
             out.append(f"  {a:>12s} -> {b:13s}" + " ".join(
                 f"{x:9.1f}" for x in np.percentile(v, [10, 50, 90])))
+    steps = path + ".steps.jsonl"   # the engine's steps that compiled (engine_core._serve)
+    if os.path.exists(steps):
+        with open(steps) as f:
+            slow = [json.loads(line) for line in f if line.strip()]
+        slow = [s for s in slow if s["end"] >= t0 - 1.0]
+        out.append(f"engine steps that compiled Triton kernels in this window: {len(slow)}")
+        out += [f"  step {s['step']} ended {(s['end'] - t0) * 1e3:.0f} ms, took {s['ms']:.0f}"
+                f" ms: {', '.join(s['compiled'])}" for s in slow]
     out.append("by submit order (every 16th): first_out - submit, ms")
     out.append("  " + " ".join(f"{(r.get('first_out', np.nan) - r['submit']) * 1e3:.0f}"
                                for r in rows[::16]))
