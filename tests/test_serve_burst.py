@@ -249,7 +249,9 @@ def test_engine_loop_reports_the_steps_that_compiled(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "engine step 2: 1 Triton kernel variant(s) compiled" in err
     assert "_paged_attention_kernel" in err and "engine step 1" not in err
-    (step,) = [json.loads(line) for line in open(f"{trace}.steps.jsonl")]
+    from pathlib import Path
+
+    (step,) = [json.loads(line) for line in Path(f"{trace}.steps.jsonl").read_text().splitlines()]
     assert step["step"] == 2 and step["compiled"] == ["_paged_attention_kernel"]
     trace.write_text(json.dumps({"request_id": "r", "submit": step["end"] - 0.5,
                                  "end": step["end"] + 0.1}) + "\n")
