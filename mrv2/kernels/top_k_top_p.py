@@ -140,7 +140,12 @@ _WORKSPACES: dict[tuple, TopKTopPWorkspace] = {}
 def _cached_workspace(num_rows: int, vocab_size: int, device, block_v: int, chunk_v: int,
                       num_pivots: int) -> TopKTopPWorkspace:
     """The dispatcher's own scratch for one (device, vocab, config), grown to >= num_rows."""
-    key = (torch.device(device), vocab_size, block_v, chunk_v, num_pivots)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # NOTE: "cuda" and "cuda:0" are unequal keys: the runner's device is often the first,
+        # a tensor's always the second (job U: reserve and use made two workspaces).
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, vocab_size, block_v, chunk_v, num_pivots)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.bracket.shape[0] < num_rows:
         rows = max(num_rows, 2 * ws.bracket.shape[0] if ws is not None else 0)
