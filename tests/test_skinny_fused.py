@@ -266,3 +266,49 @@ def test_gpu_bf16_qwen3_shapes_vs_unfused(M):
     r = h.clone()
     assert skinny_linear_add(act, wd, r) is r
     check(r, unfused, exact32)
+
+
+def _qwen3_0_6b(layers):
+    """The Qwen3-0.6B shape with ``layers`` layers and dummy bf16 weights on the GPU."""
+    from test_gpu_qwen3 import qwen3_0_6b_config_dir
+    cfg = transformers.AutoConfig.from_pretrained(qwen3_0_6b_config_dir())
+    cfg.num_hidden_layers = layers
+    return load_model(None, dtype="bfloat16", device="cuda", load_format="dummy", hf_config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="bf16 needs the GPU")
+def test_gpu_bf16_model_fused_decode_vs_unfused(monkeypatch):
+    """Qwen3-0.6B shape (4 layers), bf16: decode logits fused on vs off agree to bf16 noise
+    (printed: whether they are bitwise equal), and greedy picks the same token."""
+    model, config = _qwen3_0_6b(4)
+    for ids in ([3], [3, 9]):
+        on = _decode_logits(model, config, ids, 4, True, monkeypatch).float()
+        off = _decode_logits(model, config, ids, 4, False, monkeypatch).float()
+        rel = ((on - off).pow(2).mean().sqrt() / off.pow(2).mean().sqrt()).item()
+        print(f"M={len(ids)}: bitwise equal {torch.equal(on, off)}, relative RMS diff {rel:.2e}")
+        assert rel < 2e-2
+        assert torch.equal(on.argmax(-1), off.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the GPU")
+def test_gpu_fused_decode_kernels_per_layer(monkeypatch):
+    """A 1-token forward launches at most 7 kernels a layer (+ embedding and final norm)."""
+    from torch.profiler import ProfilerActivity, profile
+    model, config = _qwen3_0_6b(4)
+    _decode_logits(model, config, [3], 4, True, monkeypatch)         # compile + warm up
+    md = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                           torch.tensor([5], dtype=torch.int32, device="cuda"),
+                           torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                           torch.tensor([4], device="cuda"), 1, 5)
+    ids, positions = torch.tensor([3], device="cuda"), torch.tensor([4], device="cuda")
+    with set_forward_context(md), torch.no_grad():
+        model(ids, positions)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(ids, positions)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(len(kernels), "kernels:", sorted(set(kernels)))
+    assert len(kernels) <= 7 * config.num_hidden_layers + 2

@@ -373,6 +373,10 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` submodule).
 
+    A decode-sized forward (at most ``MODEL_MAX_M`` tokens on the GPU, where the linears
+    take the skinny GEMM; ``MRV2_FUSED_DECODE=0`` turns it off) runs every layer's
+    ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py).
+
     Args: as :class:`Qwen3ForCausalLM`.
     """
 
