@@ -203,6 +203,31 @@ def test_inputs_embeds_are_never_written(monkeypatch):
     assert torch.equal(embeds, before)
 
 
+def test_swapped_modules_keep_the_unfused_path(monkeypatch):
+    """Tensor parallelism swaps o_proj/down_proj for all-reducing modules: no fusion then."""
+    from mrv2.distributed.layers import RowParallelLinear
+    model, config = load_model(DEFAULT_MODEL_DIR, dtype="float32")
+    layer = model.model.layers[1]
+    assert layer.can_fuse_decode()
+    o = layer.self_attn.o_proj
+    layer.self_attn.o_proj = RowParallelLinear(o.in_features, o.out_features, bias=False)
+    assert not layer.can_fuse_decode()
+    monkeypatch.setattr(skinny_fused, "ENABLED", True)
+    calls = []
+    monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
+                        lambda self, *a: calls.append(1))
+    with torch.device(DEVICE), torch.no_grad():
+        qwen3.bind_kv_cache(model, [torch.zeros(qwen3.kv_cache_shape(config, 1, 16))
+                                    for _ in range(config.num_hidden_layers)])
+        md = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32),
+                               torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]), 1, 1)
+        layer.self_attn.o_proj.weight.copy_(o.weight)
+        with set_forward_context(md):
+            model(torch.tensor([3]), torch.zeros(1, dtype=torch.long))
+    assert not calls
+
+
 def test_llm_greedy_fused_decode_on_equals_off(monkeypatch):
     """End to end: 2 prompts decoding side by side (T = 2), fused path on vs off."""
     llm = LLM(max_model_len=64, max_num_seqs=2, dtype="float32")
