@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
+from mrv2.kernels import skinny_fused
 from mrv2.kernels.activation import silu_and_mul, silu_and_mul_ref
 from mrv2.kernels.attention import paged_attention
 from mrv2.kernels.kv_cache import write_kv_cache
@@ -28,6 +29,11 @@ from mrv2.kernels.layernorm import (
     rms_norm_ref,
 )
 from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
+from mrv2.kernels.skinny_fused import (
+    skinny_linear_add,
+    skinny_norm_gate_up_silu,
+    skinny_norm_linear,
+)
 from mrv2.kernels.skinny_gemm import Linear, linear
 from mrv2.platform import TRITON_INTERPRET
 
@@ -247,12 +253,17 @@ class Qwen3Attention(_PackedLinears):
         return {"qkv": (self.q_proj, self.k_proj, self.v_proj)}
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = linear(hidden_states, *self._packed["qkv"])             # [T, (H + 2 H_kv) D]
+        return self.o_proj(self.attend(positions, qkv))                # [T, hidden]
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything between the two projections: q/k-norm + RoPE + KV write, attention.
+        ``qkv [T, (H + 2 H_kv) D]`` -> ``[T, H * D]`` (o_proj's input)."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call bind_kv_cache(model, kv_caches) first")
         md = get_attn_metadata()
-        T = hidden_states.shape[0]
+        T = qkv.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(hidden_states, *self._packed["qkv"])             # [T, (H + 2 H_kv) D]
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)       # views, token stride
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
@@ -266,7 +277,7 @@ class Qwen3Attention(_PackedLinears):
         # slot is -1, their logits are never taken, each row of a GEMM is its own).
         out = paged_attention(q, self.kv_cache, md, self.scale,
                               out=torch.empty_like(q))                          # [T, H, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))      # [T, hidden]
+        return out.reshape(T, H * D)                                            # [T, H * D]
 
 
 class Qwen3MLP(_PackedLinears):
@@ -330,9 +341,41 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def can_fuse_decode(self) -> bool:
+        """Whether :meth:`forward_decode` may run: the plain modules only (tensor parallelism
+        swaps o_proj/down_proj for all-reducing ones; an EAGLE head drops a norm)."""
+        return (isinstance(self.self_attn.o_proj, Linear)
+                and isinstance(self.mlp.down_proj, Linear)
+                and isinstance(self.input_layernorm, Qwen3RMSNorm)
+                and isinstance(self.post_attention_layernorm, Qwen3RMSNorm))
+
+    def forward_decode(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The same block for a decode-sized batch (mrv2/kernels/skinny_fused.py): 4 GEMM
+        kernels with the norms, residual adds and SiLU * up fused in.
+
+        Args:
+            positions: ``[T]``; h: ``[T, hidden]`` the residual stream, UPDATED IN PLACE.
+
+        Returns:
+            ``h`` (now ``x + attn(norm(x)) + mlp(norm(...))``).
+        """
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = skinny_norm_linear(h, ln1.weight, ln1.variance_epsilon,
+                                 *attn._packed["qkv"])                 # [T, (H + 2 H_kv) D]
+        out = attn.attend(positions, qkv)                                  # [T, H * D]
+        h = skinny_linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)    # h += o_proj
+        act = skinny_norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon,
+                                       *mlp._packed["gate_up"])            # [T, inter]
+        return skinny_linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias)
+
 
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers and the final norm (HF's ``model.*`` submodule).
+
+    A decode-sized forward (at most ``MODEL_MAX_M`` tokens on the GPU, where the linears
+    take the skinny GEMM; ``MRV2_FUSED_DECODE=0`` turns it off) runs every layer's
+    ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py).
 
     Args: as :class:`Qwen3ForCausalLM`.
     """
@@ -352,6 +395,14 @@ class Qwen3Model(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # A ModelState hook may pass precomputed (e.g. multimodal) embeddings instead of ids.
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        if skinny_fused.use_fused_decode(h) and all(la.can_fuse_decode() for la in self.layers):
+            # Decode-sized: ONE residual stream h, added into in place by every layer.
+            # NOTE: never into a caller's inputs_embeds (embed_tokens' output is fresh).
+            if inputs_embeds is not None:
+                h = h.clone(memory_format=torch.contiguous_format)
+            for layer in self.layers:
+                h = layer.forward_decode(positions, h)
+            return self.norm(h)                                                 # [T, hidden]
         residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)

@@ -1,0 +1,281 @@
+"""The decode layer's weight-stream GEMMs with their neighbours fused in: norm, residual, SwiGLU.
+
+At batch 1 a decode step is launch-bound, not byte-bound: every kernel boundary costs a
+fixed ramp of a few microseconds (``../shared/PLATFORM.md``, decode-sized GEMMs), and a
+layer ran ~10.5 of them (RMSNorm, qkv, q/k-norm + RoPE, attention, o_proj, add + RMSNorm,
+gate_up, SiLU * up, down, ...). These kernels are ``skinny_gemm``'s weight stream (a
+program owns a few output columns, walks K, keeps the <= 8 activation rows in registers)
+with the small neighbour ops moved into its prologue and epilogue:
+
+* ``skinny_norm_linear``: RMSNorm in the prologue (qkv_proj). Each program first takes
+  its rows' inverse RMS over all of K (x is <= 8 x hidden, read from L1/L2), then streams
+  the weight against ``x * rstd * norm_weight``.
+* ``skinny_linear_add``: ``residual += x @ W.T`` in the epilogue (o_proj, down_proj).
+* ``skinny_norm_gate_up_silu``: RMSNorm in the prologue, SiLU * up in the epilogue
+  (gate_up_proj): a program loads the gate rows of its columns AND the matching up rows,
+  so the output is ``[M, I]`` with no ``[M, 2I]`` intermediate and no activation kernel.
+
+So a decode-sized layer (``Qwen3DecoderLayer.forward_decode``) launches 6 kernels, 7 with
+attention's split merge: qkv (norm fused), q/k-norm + RoPE + KV write, attention (+ merge),
+o_proj + add, gate_up + SiLU * up (norm fused), down + add; the model adds the final norm.
+
+Numerics equal the unfused path's (rms_norm, skinny_linear, the bf16 add, silu_and_mul):
+fp32 math, and every value the unfused path writes to a tensor is rounded to the
+activation dtype here too (the normed x, the GEMM outputs, SiLU's result) before it is
+used. Under the interpreter (fp32) a chain of fused layers equals the unfused chain bit
+for bit; on the GPU (bf16) a different tile shape may reorder a sum (gate_up's 2-column
+programs), so the fused path is checked by tolerance there (tests/test_skinny_fused.py).
+
+Only for <= ``MODEL_MAX_M`` rows on the GPU, where the model's ``linear`` takes
+``skinny_linear`` too (``MRV2_FUSED_DECODE=0`` turns it off; tests set ``ENABLED`` to
+run it under the interpreter). The torch references below are the specification.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mrv2.kernels import skinny_gemm
+from mrv2.kernels.activation import silu_and_mul_ref
+from mrv2.kernels.layernorm import rms_norm_ref, row_sum
+from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
+from mrv2.platform import TRITON_INTERPRET
+
+#: The model's decode-sized layers run these kernels: on where the skinny GEMM is on
+#: (GPU) unless ``MRV2_FUSED_DECODE=0``. Tests set it True to run them in the interpreter.
+ENABLED: bool = skinny_gemm.ENABLED and os.environ.get("MRV2_FUSED_DECODE", "1") != "0"
+
+
+def use_fused_decode(x: torch.Tensor) -> bool:
+    """Whether a forward over ``x [T, hidden]`` takes the fused decode path: the
+    condition ``skinny_gemm.linear`` uses. Reads only shapes: graph- and sync-safe."""
+    return (ENABLED and x.dim() == 2 and x.shape[0] <= MODEL_MAX_M and x.stride(1) == 1
+            and (x.is_cuda or TRITON_INTERPRET))
+
+
+# ------------------------------------------------------------------ torch references
+
+def skinny_norm_linear_ref(x, norm_weight, eps, weight, bias=None):
+    """Reference of :func:`skinny_norm_linear`: ``F.linear(rms_norm(x), weight, bias)``."""
+    return F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias)
+
+
+def skinny_linear_add_ref(x, weight, residual, bias=None):
+    """Reference of :func:`skinny_linear_add`: ``residual += F.linear(x, weight, bias)``,
+    in place (the product is rounded to the dtype before the add, as torch does)."""
+    return residual.add_(F.linear(x, weight, bias))
+
+
+def skinny_norm_gate_up_silu_ref(x, norm_weight, eps, gate_up_weight, bias=None):
+    """Reference of :func:`skinny_norm_gate_up_silu`: ``silu(g) * u`` of
+    ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``."""
+    gate, up = F.linear(rms_norm_ref(x, norm_weight, eps), gate_up_weight, bias).chunk(2, -1)
+    return silu_and_mul_ref(gate, up)
+
+
+# ------------------------------------------------------------------ the kernel
+
+@triton.jit
+def _skinny_fused_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
+    out_ptr,                                            # output [M, N] (may BE residual)
+    M, N, K, eps,                                       # sizes (N: output columns)
+    stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
+    NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # One program: BLOCK_N output columns for all M (<= BLOCK_M) rows.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+    m = tl.arange(0, BLOCK_M)                                                # [BM]
+    kk = tl.arange(0, BLOCK_K)                                               # [BK]
+    n_mask = n < N
+    m_mask = m < M
+    dt = out_ptr.dtype.element_ty
+
+    # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is tiny).
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
+    if NORM:
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                        mask=m_mask[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sq += x * x
+        rstd = tl.math.rsqrt(row_sum(sq, axis=1) / K + eps)                  # [BM]
+
+    # Main loop: stream the weight tile(s) of this program's columns along K.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                     # gate (or all)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                  # up (GATE_UP)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        w_mask = n_mask[:, None]                                             # [BN, 1]
+        x_mask = m_mask[:, None]                                             # [BM, 1]
+        if not EVEN_K:  # NOTE: a K that BLOCK_K divides needs no mask along K
+            w_mask = w_mask & (k < K)[None, :]
+            x_mask = x_mask & (k < K)[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                    mask=x_mask, other=0.0).to(tl.float32)                   # [BM, BK]
+        if NORM:
+            nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BK]
+            # NOTE: rounded to x's dtype, as the unfused rms_norm writes it for the GEMM.
+            x = ((x * rstd[:, None]) * nw[None, :]).to(dt).to(tl.float32)
+        w_offs = n[:, None].to(tl.int64) * stride_wn + k[None, :]            # [BN, BK]
+        w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32)
+        acc += row_sum(w[None, :, :] * x[:, None, :], axis=2)                # [BM, BN]
+        if GATE_UP:  # the up rows of the same columns: rows N + n of the packed weight
+            wu = tl.load(w_ptr + w_offs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up += row_sum(wu.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+
+    # Epilogue: bias, then SiLU * up or the residual add, rounding where the unfused
+    # path rounds (each GEMM output, SiLU's result, the sum).
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt).to(tl.float32)                                            # [BM, BN]
+    if GATE_UP:
+        s = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)                  # silu(g)
+        y = (s * acc_up.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:
+        # NOTE: in place is race-free: a program reads and writes only its own columns.
+        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
+        y = y + r.to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt), mask=mask)
+
+
+# ------------------------------------------------------------------ launch
+
+def _launch(M: int, N: int, K: int, gate_up: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): skinny_linear's launch (4 columns, 1024-wide K steps,
+    4 warps at M <= 2). gate_up takes 2 columns, so a program still streams 4 weight rows
+    (2 gate + 2 up), the tile job R found best; ``scripts/bench_skinny_fused.py --sweep``."""
+    bn, bk, nw = skinny_gemm._launch(M, N, K)
+    if TRITON_INTERPRET:  # NOTE: the interpreter pays per program: few wide programs
+        return min(triton.next_power_of_2(N), 64), bk, 1
+    return (bn // 2 if gate_up else bn), bk, nw
+
+
+def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name} needs x [M, K] and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    M, K = x.shape
+    if M > MAX_M:
+        raise ValueError(f"{name} takes at most {MAX_M} rows, got {M}")
+    if K == 0:
+        raise ValueError(f"{name} needs K > 0 (got x {tuple(x.shape)})")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name} needs x and weight with a contiguous last dim")
+    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.stride(0) != 1):
+        raise ValueError(f"{name}: norm_weight must be a contiguous [K] = [{K}], got "
+                         f"{tuple(norm_weight.shape)}")
+    if bias is not None and (bias.shape != (n_rows,) or bias.stride(0) != 1):
+        raise ValueError(f"{name}: bias must be a contiguous [{n_rows}], got {tuple(bias.shape)}")
+    if residual is not None:
+        N = weight.shape[0]
+        if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"{name}: residual must be [M, N] = [{M}, {N}] in {x.dtype} with "
+                             f"a contiguous last dim, got {tuple(residual.shape)} "
+                             f"{residual.dtype}")
+        if x.numel() and residual.numel() and \
+                residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            raise ValueError(f"{name}: x must not share memory with residual (the kernel "
+                             "reads all of x while it writes residual)")
+
+
+def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_n,
+         block_k, num_warps):
+    M, K = x.shape
+    if M == 0 or N == 0:
+        return out
+    bn, bk, nw = _launch(M, N, K, gate_up)
+    bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
+    opts = {} if TRITON_INTERPRET else {"num_warps": nw}
+    r = residual if residual is not None else out                # unused without the add
+    _skinny_fused_kernel[(triton.cdiv(N, bn),)](
+        x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, r,
+        out,
+        M, N, K, float(eps),
+        x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+        NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn,
+        BLOCK_K=bk, EVEN_K=K % bk == 0, **opts)
+    return out
+
+
+# ------------------------------------------------------------------ public entry points
+
+def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       block_n: int | None = None, block_k: int | None = None,
+                       num_warps: int | None = None) -> torch.Tensor:
+    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` in one weight stream.
+
+    Args:
+        x: ``[M, K]`` the residual stream (M <= MAX_M), last dim contiguous.
+        norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
+        weight: ``[N, K]``, last dim contiguous, x's dtype; bias: optional ``[N]``.
+        block_n, block_k, num_warps: launch overrides (the sweep's knobs).
+
+    Returns:
+        A new ``[M, N]`` tensor in x's dtype.
+    """
+    _check("skinny_norm_linear", x, weight, bias, weight.shape[0], norm_weight)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return _run(x, norm_weight, eps, weight, bias, None, out, weight.shape[0], gate_up=False,
+                block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int | None = None
+                      ) -> torch.Tensor:
+    """``residual += F.linear(x, weight, bias)``, in place, in one weight stream.
+
+    Args:
+        x: ``[M, K]`` (M <= MAX_M), last dim contiguous, not sharing memory with residual.
+        weight: ``[N, K]``, last dim contiguous; bias: optional ``[N]``.
+        residual: ``[M, N]`` in x's dtype, last dim contiguous: overwritten with the sum.
+        block_n, block_k, num_warps: launch overrides.
+
+    Returns:
+        ``residual`` itself (the product is rounded to the dtype, then added: as torch).
+    """
+    _check("skinny_linear_add", x, weight, bias, weight.shape[0], residual=residual)
+    return _run(x, None, 0.0, weight, bias, residual, residual, weight.shape[0],
+                gate_up=False, block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+def skinny_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             *, block_n: int | None = None, block_k: int | None = None,
+                             num_warps: int | None = None) -> torch.Tensor:
+    """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``.
+
+    Args:
+        x: ``[M, K]`` the residual stream (M <= MAX_M), last dim contiguous.
+        norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
+        gate_up_weight: ``[2I, K]`` packed (rows ``0..I-1`` gate_proj, ``I..2I-1``
+            up_proj), last dim contiguous; bias: optional ``[2I]`` packed the same way.
+        block_n, block_k, num_warps: launch overrides.
+
+    Returns:
+        A new ``[M, I]`` tensor in x's dtype (the MLP's activation, down_proj's input).
+    """
+    if gate_up_weight.dim() == 2 and gate_up_weight.shape[0] % 2:
+        raise ValueError(f"skinny_norm_gate_up_silu: gate_up_weight needs an even number of "
+                         f"rows [2I, K], got {tuple(gate_up_weight.shape)}")
+    _check("skinny_norm_gate_up_silu", x, gate_up_weight, bias, gate_up_weight.shape[0],
+           norm_weight)
+    inter = gate_up_weight.shape[0] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    return _run(x, norm_weight, eps, gate_up_weight, bias, None, out, inter, gate_up=True,
+                block_n=block_n, block_k=block_k, num_warps=num_warps)

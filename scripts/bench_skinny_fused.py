@@ -1,0 +1,181 @@
+"""Time the decode layer's GEMMs with norms, adds and SiLU * up fused in (GPU).
+
+A decode step's chain without attention: ``layers`` x (input norm, qkv, o_proj, add + norm,
+gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 1024, qkv
+4096, inter 3072), captured in one CUDA graph and replayed, at M = 1 and 2 rows. Three runners:
+
+* ``cublas``: the norm kernels + ``F.linear`` + ``silu_and_mul`` (7 kernels a layer, plus
+  cuBLAS's split-K reductions and memsets);
+* ``unfused``: the same with ``skinny_linear`` (7 kernels a layer: the model today);
+* ``fused``: ``mrv2.kernels.skinny_fused`` (4 kernels a layer).
+
+Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
+GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
+(block_n, block_k, num_warps).
+
+    python scripts/bench_skinny_fused.py --sweep --out benchmarks/results/skinny_fused.json
+    python scripts/bench_skinny_fused.py --smoke --out /tmp/f.json      # CPU, tiny, no timing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# NOTE: mrv2 first: it switches Triton to its interpreter on a machine without CUDA.
+from mrv2.platform import HAS_CUDA  # noqa: I001
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from mrv2.kernels.activation import silu_and_mul
+from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
+from mrv2.kernels.skinny_fused import (
+    skinny_linear_add,
+    skinny_norm_gate_up_silu,
+    skinny_norm_linear,
+)
+from mrv2.kernels.skinny_gemm import skinny_linear
+
+HIDDEN, QKV, ATTN, INTER, EPS = 1024, 4096, 2048, 3072, 1e-6
+
+
+def _time_us(fn, smoke: bool) -> float:
+    fn()
+    if smoke:
+        return 0.0
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def _weights(layers: int, div: int, dev, dt) -> list[dict]:
+    h, q, a, i = HIDDEN // div, QKV // div, ATTN // div, INTER // div
+    return [{"ln1": 1 + 0.1 * torch.randn(h, device=dev, dtype=dt),
+             "qkv": torch.randn(q, h, device=dev, dtype=dt) * 0.05,
+             "o": torch.randn(h, a, device=dev, dtype=dt) * 0.05,
+             "ln2": 1 + 0.1 * torch.randn(h, device=dev, dtype=dt),
+             "gate_up": torch.randn(2 * i, h, device=dev, dtype=dt) * 0.05,
+             "down": torch.randn(h, i, device=dev, dtype=dt) * 0.05} for _ in range(layers)]
+
+
+def _unfused(gemm):
+    """The model's unfused decode layers (qwen3.py's forward) with ``gemm`` as the linear."""
+    def run(h, attn, ws):
+        residual, x = h, None
+        for w in ws:
+            if x is None:
+                residual, x = h, rms_norm(h, w["ln1"], EPS)
+            else:
+                x, residual = fused_add_rms_norm(x, residual, w["ln1"], EPS)
+            gemm(x, w["qkv"])                              # its output feeds attention (left out)
+            x, residual = fused_add_rms_norm(gemm(attn, w["o"]), residual, w["ln2"], EPS)
+            gate, up = gemm(x, w["gate_up"]).chunk(2, -1)
+            x = gemm(silu_and_mul(gate, up), w["down"])
+        return x + residual                                # the residual stream after the chain
+    return run
+
+
+def _fused(h, attn, ws):
+    h = h.clone()                                          # the chain adds into h in place
+    for w in ws:
+        skinny_norm_linear(h, w["ln1"], EPS, w["qkv"])
+        skinny_linear_add(attn, w["o"], h)
+        skinny_linear_add(skinny_norm_gate_up_silu(h, w["ln2"], EPS, w["gate_up"]), w["down"], h)
+    return h
+
+
+def chain(ms: list[int], smoke: bool, layers: int) -> list[dict]:
+    """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
+    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
+    ws = _weights(layers, div, dev, dt)
+    mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
+    runners = {"cublas": _unfused(F.linear), "unfused": _unfused(skinny_linear), "fused": _fused}
+    rows = []
+    for m in ms:
+        h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
+        attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
+        results = {}
+        for label, run in runners.items():
+            if smoke and label == "cublas":
+                continue
+            results[label] = run(h, attn, ws).float()
+            if smoke:
+                us = 0.0
+            else:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run(h, attn, ws)
+                us = _time_us(graph.replay, smoke)
+            rows.append({"M": m, "runner": label, "us_per_step": us, "weight_mb": mb,
+                         "max_abs_diff_vs_unfused":
+                             (results[label] - results["unfused"]).abs().max().item()
+                             if "unfused" in results else None})
+        line = "  ".join(f"{r['runner']} {r['us_per_step']:7.1f} us" for r in rows[-len(results):])
+        print(f"chain M={m} ({layers} layers, {mb:.0f} MB): {line}")
+    return rows
+
+
+def sweep(ms: list[int], smoke: bool) -> list[dict]:
+    """Each fused kernel alone over its launch knobs; the default launch first."""
+    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
+    w = _weights(1, div, dev, dt)[0]
+    cfgs = ([{}] + ([{"block_n": 4, "block_k": 32}] if smoke else
+                    [{"block_n": bn, "block_k": bk, "num_warps": nw} for bn, bk, nw in
+                     itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8))]))
+    rows = []
+    for m in ms:
+        h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
+        attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
+        act = torch.randn(m, INTER // div, device=dev, dtype=dt)
+        kernels = {
+            "norm_qkv": lambda kw, h=h: skinny_norm_linear(h, w["ln1"], EPS, w["qkv"], **kw),
+            "o_add": lambda kw, h=h, a=attn: skinny_linear_add(a, w["o"], h, **kw),
+            "norm_gate_up_silu": lambda kw, h=h: skinny_norm_gate_up_silu(
+                h, w["ln2"], EPS, w["gate_up"], **kw),
+            "down_add": lambda kw, h=h, a=act: skinny_linear_add(a, w["down"], h, **kw),
+        }
+        for name, fn in kernels.items():
+            timed = [(_time_us(lambda kw=kw, fn=fn: fn(kw), smoke), kw) for kw in cfgs]
+            best = min(timed, key=lambda t: t[0])
+            rows.append({"kernel": name, "M": m, "default_us": timed[0][0], "best_us": best[0],
+                         "best_config": best[1]})
+            print(f"{name:>18} M={m}  default {timed[0][0]:7.2f} us   best {best[0]:7.2f} "
+                  f"{best[1]}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns the JSON it wrote."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
+    ap.add_argument("--sweep", action="store_true", help="also each kernel alone, every config")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
+    args = ap.parse_args(argv)
+    if not HAS_CUDA and not args.smoke:
+        raise SystemExit("bench_skinny_fused times the GPU; use --smoke on the CPU")
+    ms = [1, 2]
+    report = {"benchmark": "fused decode GEMM chain",
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
+              "versions": {"torch": torch.__version__, "triton": triton.__version__},
+              "smoke": args.smoke, "layers": args.layers,
+              "chain": chain(ms, args.smoke, args.layers),
+              "kernels": sweep(ms, args.smoke) if args.sweep or args.smoke else []}
+    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
