@@ -84,13 +84,20 @@ def _small_m_gemm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int) -> int:
-    """Shared memory the pipelined loop holds: ``num_stages - 1`` bf16 x and W tiles (Triton
-    3.6's pipeliner, checked with ``triton.compile`` for sm_90: metadata ``shared``)."""
-    return max(1, num_stages - 1) * (block_m + block_n) * block_k * 2
+def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
+                elem_bytes: int = 2) -> int:
+    """Shared memory the pipelined loop holds for its x and W tiles.
+
+    Triton 3.6 for sm_90 (``triton.compile`` without a GPU, metadata ``shared``): with
+    ``block_m`` >= 64 the dot is a Hopper ``wgmma`` that reads both tiles from shared memory
+    and the loop keeps ``num_stages`` buffers; below 64 rows it is ``mma.sync`` and keeps
+    ``num_stages - 1``.
+    """
+    buffers = num_stages if block_m >= 64 else max(1, num_stages - 1)
+    return buffers * (block_m + block_n) * block_k * elem_bytes
 
 
-def _launch(M: int, N: int, K: int) -> dict[str, int]:
+def _launch(M: int, N: int, K: int, elem_bytes: int = 2) -> dict[str, int]:
     """Default launch for ``M`` rows of ``[N, K]``: block_m, block_n, block_k, num_warps,
     num_stages. PROVISIONAL until the H200 sweep (``scripts/bench_small_m_gemm.py
     --sweep``) measures them; its knobs are ``small_m_linear``'s overrides.
@@ -101,7 +108,8 @@ def _launch(M: int, N: int, K: int) -> dict[str, int]:
     rows, the x re-reads hitting L2): 16 for N = 1024 (64 programs), 32 for qkv's 4096 (128
     programs), 16 then 64 for gate_up's 6144 as M grows. ``block_k`` (K / 4, in [64, 512])
     and ``num_stages`` (4) shrink until the tiles in flight fit the shared memory of the
-    programs sharing one SM: deep pipelines are how 64 programs keep HBM busy.
+    programs sharing one SM: deep pipelines are how 64 programs keep HBM busy. ``elem_bytes``
+    is x's element size (fp32 tiles take twice the shared memory of bf16 ones).
     """
     block_m = min(max(16, triton.next_power_of_2(M)), 64)
     waves = {bn: triton.cdiv(triton.cdiv(N, bn), NUM_SMS) for bn in (16, 32, 64)}
@@ -109,9 +117,12 @@ def _launch(M: int, N: int, K: int) -> dict[str, int]:
     budget = _SMEM_BYTES // waves[block_n]
     block_k = min(512, max(64, triton.next_power_of_2(K) // 4))  # 4 K steps where K allows
     num_stages = 4
-    while block_k > 64 and _smem_bytes(block_m, block_n, block_k, num_stages) > budget:
+
+    def smem():
+        return _smem_bytes(block_m, block_n, block_k, num_stages, elem_bytes)
+    while block_k > 64 and smem() > budget:
         block_k //= 2
-    while num_stages > 2 and _smem_bytes(block_m, block_n, block_k, num_stages) > budget:
+    while num_stages > 2 and smem() > budget:
         num_stages -= 1
     num_stages = max(2, min(num_stages, triton.cdiv(K, block_k)))
     return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4,
@@ -170,7 +181,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
-    cfg = _launch(M, N, K)
+    cfg = _launch(M, N, K, x.element_size())
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
