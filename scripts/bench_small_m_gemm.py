@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # NOTE: mrv2 first: it switches Triton to its interpreter on a machine without CUDA.
-from mrv2.platform import HAS_CUDA  # noqa: I001
+from mrv2.platform import DEVICE, HAS_CUDA  # noqa: I001
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,12 @@ KNOBS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
 
 class Bench:
-    """Device, dtype and timing for one run (``smoke``: CPU fp32, one call, no timing)."""
+    """Device, dtype and timing for one run (``smoke``: fp32, tiny, one call, no timing; on
+    mrv2's device, so the interpreter on the CPU and compiled kernels on a GPU)."""
 
     def __init__(self, smoke: bool, replays: int):
         self.smoke, self.replays = smoke, replays
-        self.dev, self.dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+        self.dev, self.dt = (DEVICE, torch.float32) if smoke else ("cuda", torch.bfloat16)
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {k: (n // 64, k_ // 64) for k, (n, k_) in SHAPES.items()} if self.smoke else SHAPES
