@@ -187,7 +187,7 @@ def chain(bench: Bench, ms: list[int], layers: int, swept: list[dict]) -> list[d
         if len(best) == len(shapes):
             fns["small_m_best"] = {s: (lambda x, w, c=best[s]["best_config"]:
                                        small_m_linear(x, w, **c)) for s in shapes}
-            fns["hybrid"] = {s: (fns["small_m_best"][s] if best[s]["best_us"]
+            fns["hybrid"] = {s: (fns["small_m_best"][s] if (best[s]["best_us"] or 1e30)
                                  < best[s]["cublas_us"] else F.linear) for s in shapes}
         out = {}
         line = f"chain M={m:<3}"
@@ -197,10 +197,10 @@ def chain(bench: Bench, ms: list[int], layers: int, swept: list[dict]) -> list[d
                     for name, w in layer.items():
                         out[name] = fn[name](xs[name], w)
             us = bench.graph_us(step)
-            for name, w in ws[-1].items():  # the last layer's outputs against F.linear
-                _error(bench, lambda x, w, f=fn[name]: f(x, w), xs[name], w)
+            err = max(_error(bench, lambda x, w, f=fn[name]: f(x, w), xs[name], w)
+                      for name, w in ws[-1].items())  # the last layer's products vs fp32
             rows.append({"M": m, "runner": label, "us_per_step": us, "weight_mb": mb,
-                         "tb_s": mb / us * 1e-6 if us else None})
+                         "tb_s": mb / us * 1e-6 if us else None, "err_vs_cublas": err})
             line += f"  {label} {us:8.1f}"
         print(line + f" us  ({mb:.0f} MB)", flush=True)
     return rows
@@ -209,7 +209,7 @@ def chain(bench: Bench, ms: list[int], layers: int, swept: list[dict]) -> list[d
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the JSON it wrote."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
+    ap.add_argument("--smoke", action="store_true", help="tiny fp32 sizes, no timing (CPU)")
     ap.add_argument("--sweep", action="store_true", help="also search launches per shape and M")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--replays", type=int, default=200)
