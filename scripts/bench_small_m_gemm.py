@@ -7,8 +7,8 @@ replays, L2 not flushed (the weights of a chain, 117-880 MB, do not fit the 50 M
 
 1. ``--sweep``: per shape and M, a graph of ``--layers`` products of that shape on distinct
    weights, cuBLAS vs the kernel's default launch and a two-pass search (tiles
-   block_m x block_n x block_k at 4 warps, then warps x stages for the best tile); us per
-   product;
+   block_m x block_n x block_k at 4 warps, then 2/4/8 warps x 2-5 stages for the best
+   tile; ~550 configs, ~150 compiles: estimated at about a minute); us per product;
 2. the chain: ``--layers`` x (qkv, o, gate_up, down) in one graph, cuBLAS vs the default
    launch (and ``skinny_linear`` at M <= 8; with ``--sweep`` also the best launch per shape
    and a hybrid taking cuBLAS where it won): the figure that matters for TPOT.
@@ -104,8 +104,8 @@ def _grid(bench: Bench, m: int, n: int, k: int):
         if bm <= bm0 and bk <= triton.next_power_of_2(k) and fits:
             tiles.append({"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 4,
                           "num_stages": fits[0]})
-    refine = [{"num_warps": nw, "num_stages": ns} for nw, ns in itertools.product((4, 8),
-                                                                                (2, 3, 4, 5))]
+    refine = [{"num_warps": nw, "num_stages": ns}
+              for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5))]
     return tiles, refine
 
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 sizes, no timing (CPU)")
     ap.add_argument("--sweep", action="store_true", help="also search launches per shape and M")
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--replays", type=int, default=150)
     ap.add_argument("--ms", default=None, help="comma-separated row counts (4,8,16,32,64)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "small_m_gemm.json"))
     args = ap.parse_args(argv)

@@ -97,7 +97,7 @@ def _smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
     Triton 3.6 for sm_90 (``triton.compile`` without a GPU, metadata ``shared``): with
     ``block_m`` >= 64 the dot is a Hopper ``wgmma`` that reads both tiles from shared memory
     and the loop keeps ``num_stages`` buffers; below 64 rows it is ``mma.sync`` and keeps
-    ``num_stages - 1``.
+    ``num_stages - 1``. (With 2 warps there is no ``wgmma``: the count is then an upper bound.)
     """
     buffers = num_stages if block_m >= 64 else max(1, num_stages - 1)
     return buffers * (block_m + block_n) * block_k * elem_bytes
