@@ -74,7 +74,8 @@ class ModelRunner(RunnerInterface):
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.block_size = cache_config.block_size
-        self.vocab_size = model_state_cls.model_dims(hf_config).vocab_size
+        self.dims = model_state_cls.model_dims(hf_config)  # layers, heads, head_dim, vocab
+        self.vocab_size = self.dims.vocab_size
         # Speculative decoding: K draft slots per state row, and the per-step logic.
         self.spec = (None if speculative_config is None else SpecDecodeStep(
             speculative_config, self.device, vocab_size=self.vocab_size, num_blocks=num_blocks,
@@ -114,6 +115,19 @@ class ModelRunner(RunnerInterface):
             self.model_state.capture_cuda_graphs(self.cuda_graphs, self._dummy_batch, progress)
             if self.spec is not None:  # the draft model's own graphs (same keys)
                 self.spec.capture_cuda_graphs(self, self._dummy_batch, progress)
+
+    def precompile_attention(self, progress: bool = False) -> int:
+        """Compile every paged-attention launch variant this runner can pick (a server's
+        warm-up: see ``mrv2/kernels/attention_warmup.py``); returns how many."""
+        from mrv2.kernels.attention_warmup import launch_variants, precompile
+
+        dims = self.dims
+        variants = launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                   self.max_num_reqs, self.max_model_len,
+                                   max_query_len=max(32, 1 + (self.spec.k if self.spec else 0)))
+        return precompile(self.kv_caches[0], dims.num_heads,
+                          self.block_tables.input_block_table.shape[1], variants,
+                          progress=progress)
 
     def _dummy_batch(self, size) -> InputBatch:
         """An all-padding batch of a graph key's shape in the static buffers."""

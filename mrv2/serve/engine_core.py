@@ -320,12 +320,16 @@ def warm_up(llm) -> None:
     (chunked prefill: a prefill with cached context), prefill chunks beside decodes, and a
     decode batch that shrinks through every size as requests finish. Each Triton kernel
     variant first met there compiles inside that step, and every stream waits behind it.
-    So this runs one such burst: ``n`` prompts of spread lengths summing to about three
-    steps' token budgets, with output lengths staggered from 1 to 16 tokens.
+    So this first compiles every paged-attention launch variant the runner can pick
+    (``Runner.precompile_attention``), then runs one such burst for the rest: ``n`` prompts
+    of spread lengths summing to about three steps' token budgets, with output lengths
+    staggered from 1 to 16 tokens.
 
     NOTE: job T (H200): with a warm-up of one budget-filling step (prompts that divided the
     budget exactly, so nothing chunked) the first rate-inf burst still had a 1.3 s step
-    after its first ~40 adds and TTFT p50 2.9 s; the second burst, 0.35 s.
+    after its first ~40 adds and TTFT p50 2.9 s; the second burst, 0.35 s. In job U, with
+    the burst but not the precompile, the engine named the culprit: each rate-inf burst
+    compiled one or two new ``_paged_attention_kernel`` variants, 1.4-1.6 s each.
     """
     from mrv2 import platform
     from mrv2.llm import LLM
@@ -333,6 +337,12 @@ def warm_up(llm) -> None:
 
     if not platform.HAS_CUDA or not isinstance(llm, LLM):
         return                     # the interpreter compiles nothing; the fake has no kernels
+    import sys
+
+    t0 = time.perf_counter()
+    n_compiled = llm.runner.precompile_attention()
+    print(f"[serve] warm-up: {n_compiled} attention launch variants ready in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     sched = llm.scheduler_config
     longest = max(1, min(1024, sched.max_model_len - 17))
     n = max(1, min(sched.max_num_seqs, 96))

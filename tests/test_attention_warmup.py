@@ -1,0 +1,58 @@
+"""Serve's attention precompile: the listed launch variants are every one the picker can
+choose, and the precompile launches each once without touching the cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2.kernels import attention
+from mrv2.kernels.attention_warmup import launch_variants, precompile
+
+
+@pytest.mark.parametrize("dims", [(16, 8, 128, 256, 2048), (4, 2, 64, 24, 700),
+                                  (32, 8, 128, 64, 4096)])
+def test_launch_variants_cover_every_choice_of_the_gpu_picker(monkeypatch, dims):
+    """The GPU picker (table + heuristic, 132 SMs) at random shapes: every choice is listed.
+    The Qwen3-0.6B shape with max_model_len 2048 has about 20 (job U compiled them one by
+    one inside serving steps)."""
+    monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(attention, "_NUM_SMS", 132)
+    num_heads, num_kv_heads, head_dim, max_reqs, max_len = dims
+    variants = launch_variants(num_heads, num_kv_heads, head_dim, max_reqs, max_len)
+    keys = [tuple(sorted(v.items())) for v in variants]
+    assert len(keys) == len(set(keys)) and 2 <= len(keys) <= 64
+    group_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    rng = random.Random(sum(dims))
+    for _ in range(4000):
+        q_len = rng.choice([1, 1, 1, rng.randint(2, 16), rng.randint(17, 600)])
+        ctx = rng.randint(q_len, max_len)
+        cfg = attention._pick_config(rng.randint(1, max_reqs), num_kv_heads, group_pad,
+                                     q_len, ctx, max(16, head_dim))
+        assert tuple(sorted(cfg.items())) in keys, (q_len, ctx, cfg)
+    if dims[:3] == (16, 8, 128):
+        assert 10 <= len(keys) <= 40
+
+
+def test_precompile_launches_each_variant_once_and_writes_nothing(monkeypatch):
+    """The dummy problem goes through paged_attention with each variant's config; the
+    cache is only read."""
+    g = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g)        # [2, blocks, page, Hkv, D]
+    before = kv_cache.clone()
+    variants = launch_variants(4, 2, 32, max_num_reqs=3, max_model_len=48)
+    seen = []
+    real = attention.paged_attention
+
+    def spy(q, cache, md, scale, out=None, **kw):
+        seen.append(kw["config"])
+        assert cache is kv_cache and md.block_table.shape == (1, 3) and q.shape == (1, 4, 32)
+        return real(q, cache, md, scale, out=out, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    assert precompile(kv_cache, 4, 3, variants) == len(variants) == len(seen)
+    assert seen == variants
+    assert torch.equal(kv_cache, before)
