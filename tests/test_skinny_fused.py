@@ -230,13 +230,15 @@ def test_swapped_modules_keep_the_unfused_path(monkeypatch):
 
 def test_llm_greedy_fused_decode_on_equals_off(monkeypatch):
     """End to end: 2 prompts decoding side by side (T = 2), fused path on vs off."""
-    llm = LLM(max_model_len=64, max_num_seqs=2, dtype="float32")
+    # NOTE: eager: a replayed CUDA graph runs no Python, so the spy would see no call.
+    llm = LLM(max_model_len=64, max_num_seqs=2, dtype="float32", enforce_eager=True)
     prompts = ["ROMEO:", "JULIET:\nO Romeo,"]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
     calls = []
     orig = qwen3.Qwen3DecoderLayer.forward_decode
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
                         lambda self, *a: calls.append(1) or orig(self, *a))
+    monkeypatch.setattr(skinny_fused, "ENABLED", False)  # NOTE: on a GPU it is on by default
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls
     monkeypatch.setattr(skinny_fused, "ENABLED", True)

@@ -152,14 +152,24 @@ def _skinny_fused_kernel(
 
 # ------------------------------------------------------------------ launch
 
-def _launch(M: int, N: int, K: int, gate_up: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): skinny_linear's launch (4 columns, 1024-wide K steps,
-    4 warps at M <= 2). gate_up takes 2 columns, so a program still streams 4 weight rows
-    (2 gate + 2 up), the tile job R found best; ``scripts/bench_skinny_fused.py --sweep``."""
+#: Job V's sweep (H200, bf16, Qwen3-0.6B shapes, each kernel alone in a CUDA graph,
+#: ``scripts/bench_skinny_fused.py --sweep``): (kind, M) -> (BLOCK_N, num_warps), 1024-wide
+#: K steps. The first defaults (4 columns, 4 warps; gate_up 2) took, at M = 1 / 2:
+#: norm_qkv 9.3 / 10.4 us, o_add 8.7 / 30.7, gate_up 23.3 / 102.7, down_add 10.2 / 37.3;
+#: the best launches 9.1 / 9.6, 8.3 / 8.3, 10.3 / 11.3, 9.5 / 10.7. Two rows want 2 warps.
+_TUNED = {("norm", 1): (4, 4), ("add", 1): (4, 4), ("gate_up", 1): (4, 4),
+          ("norm", 2): (2, 2), ("add", 2): (2, 2), ("gate_up", 2): (8, 4)}
+
+
+def _launch(M: int, N: int, K: int, kind: str) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for ``kind`` ("norm", "add" or "gate_up": a gate_up
+    program streams BLOCK_N gate rows and BLOCK_N up rows) at M rows: ``_TUNED``, else
+    skinny_linear's launch."""
     bn, bk, nw = skinny_gemm._launch(M, N, K)
     if TRITON_INTERPRET:  # NOTE: the interpreter pays per program: few wide programs
         return min(triton.next_power_of_2(N), 64), bk, 1
-    return (bn // 2 if gate_up else bn), bk, nw
+    bn, nw = _TUNED.get((kind, M), (bn, nw))
+    return bn, bk, nw
 
 
 def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None) -> None:
@@ -195,7 +205,8 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     M, K = x.shape
     if M == 0 or N == 0:
         return out
-    bn, bk, nw = _launch(M, N, K, gate_up)
+    kind = "gate_up" if gate_up else "add" if residual is not None else "norm"
+    bn, bk, nw = _launch(M, N, K, kind)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
     r = residual if residual is not None else out                # unused without the add
