@@ -210,7 +210,9 @@ def test_swapped_modules_keep_the_unfused_path(monkeypatch):
     layer = model.model.layers[1]
     assert layer.can_fuse_decode()
     o = layer.self_attn.o_proj
-    layer.self_attn.o_proj = RowParallelLinear(o.in_features, o.out_features, bias=False)
+    # NOTE: on the model's device (a GPU run would otherwise mix a CPU weight in)
+    layer.self_attn.o_proj = RowParallelLinear(o.in_features, o.out_features,
+                                               bias=False).to(o.weight.device)
     assert not layer.can_fuse_decode()
     monkeypatch.setattr(skinny_fused, "ENABLED", True)
     calls = []
