@@ -178,16 +178,10 @@ def _launch(M: int, N: int, K: int, kind: str) -> tuple[int, int, int]:
 
 
 def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"{name} needs x [M, K] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    skinny_gemm.check_linear_args(name, x, weight, MAX_M)
     M, K = x.shape
-    if M > MAX_M:
-        raise ValueError(f"{name} takes at most {MAX_M} rows, got {M}")
     if K == 0:
         raise ValueError(f"{name} needs K > 0 (got x {tuple(x.shape)})")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"{name} needs x and weight with a contiguous last dim")
     if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.stride(0) != 1):
         raise ValueError(f"{name}: norm_weight must be a contiguous [K] = [{K}], got "
                          f"{tuple(norm_weight.shape)}")

@@ -84,6 +84,19 @@ def _launch(M: int, N: int, K: int) -> tuple[int, int, int]:
     return 4, block_k, 4
 
 
+def check_linear_args(name: str, x: torch.Tensor, weight: torch.Tensor, max_m: int) -> None:
+    """Raise ``ValueError`` naming the problem when ``x [M, K] @ weight [N, K].T`` cannot
+    go to a decode-sized kernel ``name`` taking at most ``max_m`` rows (before any work)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name} needs x [M, K] and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > max_m:
+        raise ValueError(f"{name} takes at most {max_m} rows, got {x.shape[0]}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name} needs x and weight with a contiguous last dim, got "
+                         f"strides {x.stride()} and {weight.stride()}")
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   *, block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None) -> torch.Tensor:
@@ -98,15 +111,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         ``[M, N]`` in x's dtype (fp32 accumulation).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"skinny_linear needs x [M, K] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    check_linear_args("skinny_linear", x, weight, MAX_M)
     M, K = x.shape
     N = weight.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"skinny_linear takes at most {MAX_M} rows, got {M}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear needs x and weight with a contiguous last dim")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mrv2.kernels.skinny_gemm import check_linear_args
 from mrv2.platform import TRITON_INTERPRET
 
 #: The most activation rows ``small_m_linear`` takes (beyond this cuBLAS is the right tool).
@@ -158,16 +159,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     Returns:
         ``[M, N]`` in x's dtype (fp32 accumulation).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"small_m_linear needs x [M, K] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    check_linear_args("small_m_linear", x, weight, MAX_M)
     M, K = x.shape
     N = weight.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"small_m_linear takes at most MAX_M = {MAX_M} rows of x, got {M}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("small_m_linear needs x and weight with a contiguous last dim, got "
-                         f"strides {x.stride()} and {weight.stride()}")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"small_m_linear needs weight on x's device and dtype, got "
                          f"{weight.dtype}/{weight.device} vs {x.dtype}/{x.device}")
