@@ -103,6 +103,20 @@ def test_pdl_path_equals_plain_path_in_the_interpreter(M, N, K, bias, kw, monkey
         torch.testing.assert_close(out, ref, **TOL)
 
 
+def test_bench_smoke_with_pdl(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_skinny_fused
+    finally:
+        sys.path.pop(0)
+    before = pdl.PDL_ENABLED
+    bench_skinny_fused.main(["--smoke", "--pdl", "--layers", "1", "--out", str(tmp_path / "f.json")])
+    assert pdl.PDL_ENABLED == before                               # restored after the runner
+    rows = json.loads((tmp_path / "f.json").read_text())["chain"]
+    assert {r["runner"] for r in rows} == {"unfused", "fused", "fused_pdl"}
+    assert all(r["equal_to_fused"] for r in rows if r["runner"] == "fused_pdl")
+
+
 # --------------------------------------------------------------- GPU (H200)
 
 def _needs_hopper():
