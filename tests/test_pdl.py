@@ -103,6 +103,62 @@ def test_pdl_path_equals_plain_path_in_the_interpreter(M, N, K, bias, kw, monkey
         torch.testing.assert_close(out, ref, **TOL)
 
 
+def test_launch_kwargs_only_when_compiling():
+    assert pdl.launch_kwargs(False) == {}
+    assert pdl.launch_kwargs(True) == ({} if TRITON_INTERPRET else {"launch_pdl": True})
+
+
+class _SpyAll:
+    """Records the ``PDL`` constexpr of every launch of the kernels it wraps."""
+
+    def __init__(self, monkeypatch, *mod_names):
+        self.pdl = []
+        for mod, name in mod_names:
+            kernel = getattr(mod, name)
+            monkeypatch.setattr(mod, name, self._wrap(kernel, name))
+
+    def _wrap(self, kernel, name):
+        spy = self
+
+        class Wrapped:
+            def __getitem__(self, grid):
+                launch = kernel[grid]
+
+                def run(*args, **kwargs):
+                    spy.pdl.append((name, kwargs["PDL"]))
+                    return launch(*args, **kwargs)
+                return run
+        return Wrapped()
+
+
+def test_rope_and_attention_pass_the_pdl_flag(monkeypatch):
+    """qk_norm_rope, paged_attention and its split merge take ``PDL`` from ``use_pdl`` and
+    give the same result either way (their PDL path is only the wait at the start, which the
+    interpreter skips)."""
+    from test_kernels_attention import make_batch
+
+    from mrv2.kernels import attention, rotary
+    spy = _SpyAll(monkeypatch, (rotary, "_qk_norm_rope_kernel"),
+                  (attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"))
+    q, kv_cache, md = make_batch([(30, 1), (7, 1)], 4, 2, 16, seed=3)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 2, 16, generator=g).to(DEVICE)
+    cache = rotary.build_cos_sin_cache(16, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([30, 7], device=DEVICE)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "use_pdl", lambda device, on=on: on)
+        outs[on] = (*rotary.qk_norm_rope(q, k, positions, cache),
+                    attention.paged_attention(q, kv_cache, md, 0.25, num_splits=2))
+    assert [f for _, f in spy.pdl] == [False] * 3 + [True] * 3
+    assert {n for n, _ in spy.pdl} == {"_qk_norm_rope_kernel", "_paged_attention_kernel",
+                                       "_merge_splits_kernel"}
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(outs[True][2], attention.paged_attention_ref(q, kv_cache, md, 0.25),
+                               **TOL)
+
+
 def test_bench_smoke_with_pdl(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -174,6 +230,23 @@ def test_gpu_pdl_chain_in_cuda_graph_bitwise_equal(M, monkeypatch):
     on = _chain_in_graph(M)
     for i, (a, b) in enumerate(zip(off, on, strict=True)):
         assert torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the GPU")
+def test_gpu_model_decode_logits_bitwise_with_pdl(monkeypatch):
+    """Qwen3-0.6B shape (4 layers, dummy bf16), eager: a prefill then a 1- and a 2-token
+    decode step, every decode kernel (fused GEMMs, q/k-norm + RoPE + KV write, attention and
+    its merge) launched with PDL vs without: bitwise equal logits."""
+    _needs_hopper()
+    from test_skinny_fused import _decode_logits, _qwen3_0_6b
+    model, config = _qwen3_0_6b(4)
+    for ids in ([3], [3, 9]):
+        monkeypatch.setattr(pdl, "PDL_ENABLED", False)
+        off = _decode_logits(model, config, ids, 4, True, monkeypatch)
+        monkeypatch.setattr(pdl, "PDL_ENABLED", True)
+        on = _decode_logits(model, config, ids, 4, True, monkeypatch)
+        assert torch.equal(on, off), (on.float() - off.float()).abs().max().item()
 
 
 _GENERATE = """

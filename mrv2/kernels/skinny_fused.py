@@ -269,8 +269,7 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
     use_pdl = pdl.use_pdl(x.device)
-    if use_pdl and not TRITON_INTERPRET:
-        opts["launch_pdl"] = True
+    opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
     _skinny_fused_kernel[(triton.cdiv(N, bn),)](
         x, norm_weight if norm_weight is not None else x, weight,
