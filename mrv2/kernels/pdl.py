@@ -18,17 +18,22 @@ What Triton 3.6.0 (the H200 machine's) offers, read in its wheel:
   in the kernel's metadata); no ``num_ctas`` or other option needed.
 * ``triton/backends/nvidia/driver.py``: the launcher calls ``cuLaunchKernelEx`` with
   ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1`` when ``metadata.launch_pdl``.
-  That is an ordinary stream launch, so torch's CUDA-graph stream capture records it: CUDA
-  12.3+ turns the attribute into a programmatic graph edge (``CU_GRAPH_KERNEL_NODE_PORT_
-  PROGRAMMATIC``); Triton's own tutorial 11 times PDL under ``do_bench_cudagraph``.
+  That is an ordinary stream launch, so torch's CUDA-graph stream capture records it: since
+  CUDA 12.3 capture turns the attribute into a programmatic graph edge
+  (``CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC``), and Triton's tutorial 11 times PDL under
+  ``do_bench_cudagraph``. (Read, not yet measured here: the GPU tests check the results,
+  ``scripts/bench_skinny_fused.py --pdl`` the overlap.)
 * ``triton/runtime/interpreter.py``: inline asm raises NotImplementedError and unknown launch
   kwargs are dropped, so kernels take a ``PDL: tl.constexpr`` and skip the calls when False
   (and when ``GDC_CALLS`` is False: under the interpreter).
 
 The contract every kernel launched with PDL keeps: before ``gdc_wait`` it reads only what no
-earlier kernel writes (weights) and writes nothing; every program calls ``gdc_wait`` (no early
-return), so waits chain: kernel i+2's wait covers kernel i too. A kernel launched WITHOUT the
+earlier kernel writes (weights) and writes nothing; every program calls ``gdc_wait`` (before
+any early return), so waits chain: kernel i+2's wait covers kernel i too. A kernel launched WITHOUT the
 attribute needs nothing: the stream serialises it as always.
+NOTE: reading weights before the wait assumes no kernel right before writes them: true of
+the model (weights are written once, at load); a caller that updates a weight in place and
+then launches one of these kernels at once must leave PDL off.
 
 The kernels that take it, so that every pair of neighbours in a decode layer overlaps:
 ``skinny_fused`` (its first weight tile, norm weight and bias are loaded before the wait),
