@@ -7,13 +7,17 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
 * ``cublas``: the norm kernels + ``F.linear`` + ``silu_and_mul`` (7 kernels a layer, plus
   cuBLAS's split-K reductions and memsets);
 * ``unfused``: the same with ``skinny_linear`` (7 kernels a layer: the model today);
-* ``fused``: ``mrv2.kernels.skinny_fused`` (4 kernels a layer).
+* ``fused``: ``mrv2.kernels.skinny_fused`` (4 kernels a layer);
+* ``fused_pdl`` (``--pdl``): the same launched with programmatic dependent launch
+  (``mrv2.kernels.pdl``, forced on whatever ``MRV2_PDL`` says; Hopper only, so on the CPU
+  smoke run it is the ``fused`` path again), with ``equal_to_fused`` (bitwise).
 
 Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
 GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
 (block_n, block_k, num_warps).
 
     python scripts/bench_skinny_fused.py --sweep --out benchmarks/results/skinny_fused.json
+    python scripts/bench_skinny_fused.py --pdl --out benchmarks/results/skinny_fused_pdl.json
     python scripts/bench_skinny_fused.py --smoke --out /tmp/f.json      # CPU, tiny, no timing
 """
 
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from mrv2.kernels import pdl
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -93,12 +98,25 @@ def _fused(h, attn, ws):
     return h
 
 
-def chain(ms: list[int], smoke: bool, layers: int) -> list[dict]:
+def _with_pdl(run):
+    """``run`` with PDL forced on (``pdl.PDL_ENABLED`` is read at each launch)."""
+    def wrapped(*args):
+        before, pdl.PDL_ENABLED = pdl.PDL_ENABLED, True
+        try:
+            return run(*args)
+        finally:
+            pdl.PDL_ENABLED = before
+    return wrapped
+
+
+def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> list[dict]:
     """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
     mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
     runners = {"cublas": _unfused(F.linear), "unfused": _unfused(skinny_linear), "fused": _fused}
+    if with_pdl:
+        runners["fused_pdl"] = _with_pdl(_fused)
     rows = []
     for m in ms:
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
@@ -120,6 +138,8 @@ def chain(ms: list[int], smoke: bool, layers: int) -> list[dict]:
                          "max_abs_diff_vs_unfused":
                              (results[label] - results["unfused"]).abs().max().item()
                              if "unfused" in results else None})
+            if label == "fused_pdl":
+                rows[-1]["equal_to_fused"] = torch.equal(results[label], results["fused"])
         line = "  ".join(f"{r['runner']} {r['us_per_step']:7.1f} us" for r in rows[-len(results):])
         print(f"chain M={m} ({layers} layers, {mb:.0f} MB): {line}")
     return rows
@@ -160,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
     ap.add_argument("--sweep", action="store_true", help="also each kernel alone, every config")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--pdl", action="store_true",
+                    help="also the fused chain launched with programmatic dependent launch")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
@@ -170,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
-              "chain": chain(ms, args.smoke, args.layers),
+              "chain": chain(ms, args.smoke, args.layers, args.pdl),
               "kernels": sweep(ms, args.smoke) if args.sweep or args.smoke else []}
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")

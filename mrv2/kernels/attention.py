@@ -18,13 +18,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import pdl
 from mrv2.kernels.attention_table import (
     choose_decode_config,
     heuristic_decode_config,
     load_table,
 )
+from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 _LOG2E = 1.4426950408889634
@@ -131,8 +134,13 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FOLD: tl.constexpr,
     ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
+    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
     # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
     # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
     # pays per operation, folds several into one block-diagonal problem (see below).
@@ -216,8 +224,13 @@ def _merge_splits_kernel(
     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,  # strides
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
+    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
     # Program = (request, query token of the request, head).
     b = tl.program_id(0)
     qi = tl.program_id(1)
@@ -343,6 +356,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
     fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
     grid = (num_reqs, triton.cdiv(md.max_query_len, cfg["block_q"]),
             num_kv_heads // kv_fold * splits)
+    use_pdl = pdl.use_pdl(q.device)
     _paged_attention_kernel[grid](
         q, kv_cache, md.block_table, md.query_start_loc, md.seq_lens,
         out, part_acc, part_ml,
@@ -354,8 +368,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         DOT_PRECISION="ieee" if fp32 else "tf32",
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
-        BLOCK_D=block_d,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_D=block_d, PDL=use_pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:
         _merge_splits_kernel[(num_reqs, md.max_query_len, num_heads)](
@@ -363,6 +377,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
             out,
             *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
             HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=use_pdl,
+            **pdl.launch_kwargs(use_pdl),
         )
     return out

@@ -21,9 +21,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from mrv2.kernels import pdl
 from mrv2.kernels.kv_cache import _check as _check_kv
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
+from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 
@@ -180,10 +183,15 @@ def _qk_norm_rope_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     USE_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_RQ: tl.constexpr,
     BLOCK_RK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    WRITE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    WRITE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program, BLOCK_T tokens: first all their q heads, then all their k heads (with
     # WRITE_KV straight into their KV-cache slots, then their v heads beside them).
+    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
+    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     _norm_rope_heads_body(q_ptr, q_out_ptr, q_weight_ptr, positions_ptr, cos_sin_ptr, pid,
                           num_tokens, eps, stride_qt, stride_cp,
@@ -281,6 +289,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         num_warps = min(max(triton.next_power_of_2(num_q_heads) * block_half // 256, 1), 8)
     use_norm = q_weight is not None
     cache_strides = kv_cache.stride()[:3] if write_kv else (0, 0, 0)   # kv, block, offset
+    use_pdl = pdl.use_pdl(q.device)
     _qk_norm_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, q_weight if use_norm else q, k_weight if use_norm else k, positions,
         cos_sin_cache,
@@ -292,7 +301,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, USE_NORM=use_norm,
         BLOCK_T=block_t, BLOCK_RQ=triton.next_power_of_2(block_t * num_q_heads),
         BLOCK_RK=triton.next_power_of_2(block_t * num_kv_heads), BLOCK_HALF=block_half,
-        WRITE_KV=write_kv, PAGE_SIZE=kv_cache.shape[2] if write_kv else 1,
-        num_warps=num_warps,
+        WRITE_KV=write_kv, PAGE_SIZE=kv_cache.shape[2] if write_kv else 1, PDL=use_pdl,
+        num_warps=num_warps, **pdl.launch_kwargs(use_pdl),
     )
     return q_out, None if write_kv else k_out

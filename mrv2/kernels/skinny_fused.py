@@ -31,6 +31,13 @@ Measured (H200, job V/W): 295 -> 211 kernels a decode step at batch 1; GPU time 
 1.036 -> 1.012 ms, TPOT 1.09 -> 1.05 ms. Small: the kernels that went away were short, and
 the four products that stayed run at ~40% of the bandwidth.
 
+With ``MRV2_PDL=1`` on Hopper (``mrv2.kernels.pdl``, off by default) the kernel is launched
+with programmatic dependent launch: each program issues the loads of its first weight
+tile(s), the norm weight and the bias, then ``gdc_wait`` (the previous kernel has completed),
+lets the next kernel launch, and only then reads x / residual. ``PDL=False`` compiles to the
+same code as before (Triton 3.6, sm_90: PTX and SASS equal but for line info); PDL=True
+costs registers (ptxas, M = 1: qkv 40 -> 62, gate_up 54 -> 66, o/down 40 -> 48).
+
 Only for <= ``MODEL_MAX_M`` rows on the GPU, where the model's ``linear`` takes
 ``skinny_linear`` too (``MRV2_FUSED_DECODE=0`` turns it off; tests set ``ENABLED`` to
 run it under the interpreter). The torch references below are the specification.
@@ -44,10 +51,12 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import skinny_gemm
+from mrv2.kernels import pdl, skinny_gemm
 from mrv2.kernels.activation import silu_and_mul_ref
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
+from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
 from mrv2.platform import TRITON_INTERPRET
 
@@ -93,7 +102,7 @@ def _skinny_fused_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
     NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program: BLOCK_N output columns for all M (<= BLOCK_M) rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
@@ -102,6 +111,33 @@ def _skinny_fused_kernel(
     n_mask = n < N
     m_mask = m < M
     dt = out_ptr.dtype.element_ty
+
+    if PDL:
+        # Before the wait, only what no earlier kernel writes: the first weight tile(s), the
+        # norm weight's first K step, the bias. They are in flight while the wait blocks.
+        w_mask0 = n_mask[:, None]                                            # [BN, 1]
+        if not EVEN_K:
+            w_mask0 = w_mask0 & (kk < K)[None, :]
+        w_offs0 = n[:, None].to(tl.int64) * stride_wn + kk[None, :]          # [BN, BK]
+        w0 = tl.load(w_ptr + w_offs0, mask=w_mask0, other=0.0)
+        if GATE_UP:
+            wu0 = tl.load(w_ptr + w_offs0 + N * stride_wn, mask=w_mask0, other=0.0)
+        if NORM:
+            nw0 = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0)           # [BK]
+        if HAS_BIAS:
+            b0 = tl.load(bias_ptr + n, mask=n_mask, other=0.0)               # [BN]
+            if GATE_UP:
+                bu0 = tl.load(bias_ptr + N + n, mask=n_mask, other=0.0)
+        # NOTE: every program waits (no early return), so a later kernel's wait covers this
+        # one's predecessors too. Nothing is read from x / residual or written before it.
+        if GDC_CALLS:
+            gdc_wait()
+            # NOTE: launching dependents here is safe (their gdc_wait blocks until this
+            # WHOLE grid has completed and its writes are visible) and early enough that the
+            # next kernel's launch and first loads overlap this one's weight stream. Not
+            # before the wait: then kernel i+2 could launch while kernel i still runs, and a
+            # cascade of waiting grids would hold registers and bandwidth.
+            gdc_launch_dependents()
 
     # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is tiny).
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
@@ -117,7 +153,20 @@ def _skinny_fused_kernel(
     # Main loop: stream the weight tile(s) of this program's columns along K.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                     # gate (or all)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                  # up (GATE_UP)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:  # the first K step with the prefetched tile(s): the loop's body, peeled
+        x_mask0 = m_mask[:, None]                                            # [BM, 1]
+        if not EVEN_K:
+            x_mask0 = x_mask0 & (kk < K)[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :],
+                    mask=x_mask0, other=0.0).to(tl.float32)                  # [BM, BK]
+        if NORM:
+            x = ((x * rstd[:, None]) * nw0.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        acc += row_sum(w0.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)  # [BM, BN]
+        if GATE_UP:
+            acc_up += row_sum(wu0.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + kk
         w_mask = n_mask[:, None]                                             # [BN, 1]
         x_mask = m_mask[:, None]                                             # [BM, 1]
@@ -140,9 +189,14 @@ def _skinny_fused_kernel(
     # Epilogue: bias, then SiLU * up or the residual add, rounding where the unfused
     # path rounds (each GEMM output, SiLU's result, the sum).
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATE_UP:
-            acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if PDL:
+            acc += b0.to(tl.float32)[None, :]
+            if GATE_UP:
+                acc_up += bu0.to(tl.float32)[None, :]
+        else:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATE_UP:
+                acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = acc.to(dt).to(tl.float32)                                            # [BM, BN]
     if GATE_UP:
         s = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)                  # silu(g)
@@ -208,6 +262,8 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     bn, bk, nw = _launch(M, N, K, kind)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
+    use_pdl = pdl.use_pdl(x.device)
+    opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
     _skinny_fused_kernel[(triton.cdiv(N, bn),)](
         x, norm_weight if norm_weight is not None else x, weight,
@@ -217,7 +273,7 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=K % bk == 0, **opts)
+        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **opts)
     return out
 
 

@@ -1,0 +1,131 @@
+"""Compile the decode kernels for sm_90 without a GPU, with PDL off or on (mrv2.kernels.pdl).
+
+The launchers (``qk_norm_rope``, ``paged_attention``, the fused GEMMs) run on CPU tensors at
+the Qwen3-0.6B decode shapes (bf16, 1 and 2 rows, ~1000 tokens of context); each kernel
+launch is captured and compiled through the Triton JIT's own binder (the specialisation,
+constexprs and divisibility attributes a GPU launch would get), for ``cuda:90``. Prints per
+launch the ``griddepcontrol`` counts, ``launch_pdl`` and ptxas' registers, and writes the
+PTX and cubin to ``--out`` so two runs (another tree, another Triton) can be diffed.
+
+    # with Triton 3.6 (the H200's) unpacked from its wheel, ptxas from the wheel:
+    pip download triton==3.6.0 --no-deps -d /tmp/whl && python -m zipfile -e /tmp/whl/*.whl /tmp/t36
+    chmod +x /tmp/t36/triton/backends/nvidia/bin/*
+    TRITON_INTERPRET=0 PYTHONPATH=/tmp/t36:. python scripts/check_pdl_sm90.py --out /tmp/off
+    TRITON_INTERPRET=0 PYTHONPATH=/tmp/t36:. python scripts/check_pdl_sm90.py --pdl --out /tmp/on
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+# NOTE: compile, do not interpret: set before mrv2 (which would default it to 1 on the CPU).
+os.environ["TRITON_INTERPRET"] = "0"
+
+import mrv2  # noqa: F401, I001
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import attention, pdl, rotary, skinny_fused
+
+TARGET = GPUTarget("cuda", 90, 32)
+KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
+           (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"))
+
+
+class _Capture:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def _compile(fn, args, kwargs):
+    """``fn`` compiled for ``TARGET`` as ``JITFunction.run`` would for these arguments."""
+    backend = make_backend(TARGET)
+    kwargs = dict(kwargs, debug=False, instrumentation_mode="")
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def _decode_launches(rows: int) -> None:
+    """One decode layer's kernels at ``rows`` tokens (Qwen3-0.6B shapes, bf16)."""
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(rows, h, 128, dtype=bf) for h in (16, 8, 8))
+    kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
+    slots = torch.arange(rows, dtype=torch.int64) * 16
+    rotary.qk_norm_rope(q, k, torch.full((rows,), 999), torch.randn(4096, 128),
+                        torch.randn(128, dtype=bf), torch.randn(128, dtype=bf), 1e-6,
+                        v=v, kv_cache=kv, slot_mapping=slots)
+    md = AttentionMetadata(torch.arange(rows + 1, dtype=torch.int32),
+                           torch.full((rows,), 1000, dtype=torch.int32),
+                           torch.zeros(rows, 64, dtype=torch.int32), slots, 1, 1000)
+    attention.paged_attention(q, kv, md, 128 ** -0.5)
+    h, nw = torch.randn(rows, 1024, dtype=bf), torch.randn(1024, dtype=bf)
+    skinny_fused.skinny_norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
+    skinny_fused.skinny_linear_add(torch.randn(rows, 2048, dtype=bf),
+                                   torch.randn(1024, 2048, dtype=bf), h)
+    skinny_fused.skinny_norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
+    skinny_fused.skinny_linear_add(torch.randn(rows, 3072, dtype=bf),
+                                   torch.randn(1024, 3072, dtype=bf), h)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Compile every launch; returns one row per launch."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pdl", action="store_true", help="launch with PDL (PDL=True)")
+    ap.add_argument("--out", required=True, help="folder for the PTX and cubin files")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pdl.use_pdl = lambda device: args.pdl                  # CPU tensors: force the choice
+    pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
+    attention._NUM_SMS = 132                               # the H200's picker
+    caps = {}
+    for mod, name in KERNELS:
+        caps[name] = _Capture(getattr(mod, name))
+        setattr(mod, name, caps[name])
+    torch.manual_seed(0)
+    for rows in (1, 2):
+        _decode_launches(rows)
+    ptxas = triton.knobs.nvidia.ptxas.path                 # the ptxas this Triton compiles with
+    rows = []
+    for name, cap in caps.items():
+        for i, (a, kw) in enumerate(cap.calls):
+            kernel = _compile(cap.fn, a, kw)
+            ptx = kernel.asm["ptx"]
+            stem = out / f"{name}_{i}"
+            stem.with_suffix(".ptx").write_text(ptx)
+            proc = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(stem) + ".ptx", "-o",
+                                   str(stem) + ".cubin"], capture_output=True, text=True,
+                                  check=False)
+            regs = [ln.split(":")[-1].strip() for ln in proc.stderr.splitlines()
+                    if "registers" in ln]
+            rows.append({"launch": f"{name}_{i}", "wait": ptx.count("griddepcontrol.wait"),
+                         "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
+                         "launch_pdl": kernel.metadata.launch_pdl,
+                         "ptxas": regs[0] if regs else proc.stderr[-200:]})
+            r = rows[-1]
+            print(f"{r['launch']:28s} wait {r['wait']} launch_dependents "
+                  f"{r['launch_dependents']} launch_pdl {r['launch_pdl']!s:5s} {r['ptxas']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
