@@ -249,6 +249,28 @@ def test_llm_greedy_fused_decode_on_equals_off(monkeypatch):
     assert on == off
 
 
+def test_draft_model_speculation_through_the_fused_decode_path(monkeypatch):
+    """A draft model drafts 1-2 rows at a time, so on a GPU its forwards take the fused
+    path while the target's verify (K + 1 tokens a row) does not: greedy with speculation
+    must still equal greedy without (the same check tests/test_gpu_spec_*.py make)."""
+    prompts = ["ROMEO:", "JULIET:\nO Romeo,"]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
+    kw = {"max_model_len": 64, "max_num_seqs": 2, "dtype": "float32", "enforce_eager": True}
+    monkeypatch.setattr(skinny_fused, "ENABLED", False)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    calls = []
+    orig = qwen3.Qwen3DecoderLayer.forward_decode
+    monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
+                        lambda self, *a: calls.append(1) or orig(self, *a))
+    monkeypatch.setattr(skinny_fused, "ENABLED", True)
+    spec = {"method": "draft_model", "model": str(DEFAULT_MODEL_DIR) + "-draft",
+            "num_speculative_tokens": 2}
+    llm = LLM(**kw, speculative_config=spec)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and got == want
+    assert llm.runner.spec.stats.num_accepted_tokens > 0
+
+
 def test_bench_smoke(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
