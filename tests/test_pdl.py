@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_skinny_fused import TOL, _inputs  # the fused kernels' inputs and tolerance
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels import pdl, skinny_fused
@@ -30,7 +31,6 @@ from mrv2.kernels.skinny_fused import (
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {"rtol": 1e-5, "atol": 1e-4}
 
 
 def test_switch_reads_the_env_and_is_off_under_the_interpreter():
@@ -62,15 +62,6 @@ class _Spy:
             self.pdl.append(kwargs["PDL"])
             return launch(*args, **kwargs)
         return run
-
-
-def _inputs(M, N, K, bias, seed, rows=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g) * 3.0
-    nw = torch.randn(K, generator=g)
-    w = torch.randn(rows * N, K, generator=g) * 0.2
-    b = torch.randn(rows * N, generator=g) if bias else None
-    return [t.to(DEVICE) if t is not None else None for t in (x, nw, w, b)]
 
 
 # (M, N, K, bias, launch overrides): one K step, a ragged last K step, several steps
