@@ -88,6 +88,10 @@ class TopKTopPWorkspace(NamedTuple):
     part: torch.Tensor      # [R, NC, W] float32: per chunk (see top_k_top_p_chunked.py)
 
 
+#: Pivots per search round (the dispatcher's default; the reserved scratch is sized for it).
+NUM_PIVOTS = 16
+
+
 def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
                     num_pivots: int) -> tuple[int, int, int]:
     """(block_v, chunk_v, num_chunks) for a vocab, after checking the overrides."""
@@ -114,7 +118,7 @@ def _part_width(block_v: int, chunk_v: int, num_pivots: int) -> int:
 
 def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
                           block_v: int | None = None, chunk_v: int | None = None,
-                          num_pivots: int = 16) -> TopKTopPWorkspace:
+                          num_pivots: int = NUM_PIVOTS) -> TopKTopPWorkspace:
     """Allocate the chunked search's scratch once (e.g. for ``max_num_reqs`` rows).
 
     Args:
@@ -169,15 +173,14 @@ def reserve_top_k_top_p_workspace(num_rows: int, vocab_size: int, device) -> Non
     """
     if TRITON_INTERPRET or torch.device(device).type != "cuda" or num_rows <= 0:
         return
-    num_pivots = 16  # apply_top_k_top_p_min_p's default
-    block_v, chunk_v, _ = _chunked_config(vocab_size, None, None, num_pivots)
-    _cached_workspace(num_rows, vocab_size, device, block_v, chunk_v, num_pivots)
+    block_v, chunk_v, _ = _chunked_config(vocab_size, None, None, NUM_PIVOTS)
+    _cached_workspace(num_rows, vocab_size, device, block_v, chunk_v, NUM_PIVOTS)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                             temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, min_p: torch.Tensor, *,
-                            block_v: int | None = None, num_pivots: int = 16,
+                            block_v: int | None = None, num_pivots: int = NUM_PIVOTS,
                             num_warps: int | None = None, chunk_v: int | None = None,
                             workspace: TopKTopPWorkspace | None = None,
                             method: str | None = None) -> torch.Tensor:
