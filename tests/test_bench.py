@@ -367,3 +367,12 @@ def test_step_kernels_is_the_per_step_difference():
     rows = step_kernels(short, long, steps=2)
     assert rows == [{"name": "gemm", "launches_per_step": 10.0, "ms_per_step": 0.1},
                     {"name": "gumbel", "launches_per_step": 2.0, "ms_per_step": 0.02}]
+
+
+def test_busy_us_counts_overlapping_kernels_once():
+    from mrv2.bench.decode_profile import busy_us
+
+    assert busy_us([]) == 0.0
+    assert busy_us([(0.0, 2.0)]) == 2.0
+    # a PDL kernel starting inside its predecessor, one nested, a gap, one touching
+    assert busy_us([(5.0, 7.0), (0.0, 3.0), (1.0, 4.0), (1.5, 2.0), (7.0, 8.0)]) == 4.0 + 3.0

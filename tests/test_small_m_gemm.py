@@ -25,7 +25,7 @@ from mrv2.kernels.small_m_gemm import (
     _smem_bytes,
     small_m_linear,
 )
-from mrv2.platform import DEVICE, HAS_CUDA
+from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
@@ -104,6 +104,7 @@ def test_default_launch_streams_weights_once_and_fits(M):
         assert smem * waves <= _SMEM_BYTES and 2 <= cfg["num_stages"] <= 4
 
 
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="the smoke run uses CPU tensors: the interpreter only")
 def test_bench_script_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_small_m_gemm",
                                                   ROOT / "scripts" / "bench_small_m_gemm.py")

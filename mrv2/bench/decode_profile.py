@@ -5,7 +5,8 @@ For each context and batch size, the same prompts run twice through ``LLM.genera
 ``steps`` decode steps is the same in both runs (prefix caching is off, so the prefill
 repeats), so the difference of any count divided by ``steps`` is the cost of one decode
 step in the steady state: wall ms (timed without the profiler), and from the torch
-profiler the kernels launched, their GPU ms, and a per-kernel table. CUDA graphs are on
+profiler the kernels launched, their GPU ms (the union of their time ranges: kernels that
+overlap under PDL count once), and a per-kernel table. CUDA graphs are on
 (the V2 default), so the step is whatever the replayed graph and the few kernels around
 it do. The roofline of the step (weights + the requests' cached K/V read once at the
 measured copy bandwidth, ``bench/roofline.py``) gives the fraction reached.
@@ -29,8 +30,24 @@ from mrv2.bench.timing import random_token_prompts as _prompts
 from mrv2.bench.timing import timed_generate as _timed_generate
 
 
-def _kernel_totals(llm: LLM, prompts, sp) -> dict[str, list[float]]:
-    """``{name: [launches, total us]}`` of the device kernels (CPU: top-level ops) of a run."""
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time at least one ran.
+
+    Kernels launched with programmatic dependent launch (``mrv2/kernels/pdl.py``) start
+    while their predecessor still runs and sit in ``griddepcontrol.wait``, so the sum of
+    kernel durations counts the overlap twice; the union is the time the GPU was busy.
+    """
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _kernel_totals(llm: LLM, prompts, sp) -> tuple[dict[str, list[float]], float]:
+    """``{name: [launches, total us]}`` of the device kernels (CPU: top-level ops) of a run,
+    and the union of their time ranges in us (``busy_us``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
@@ -39,6 +56,7 @@ def _kernel_totals(llm: LLM, prompts, sp) -> dict[str, list[float]]:
         if platform.HAS_CUDA:
             torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
     for evt in prof.events():
         on_device = evt.device_type != torch.autograd.DeviceType.CPU
         if on_device if platform.HAS_CUDA else (evt.cpu_parent is None
@@ -46,7 +64,8 @@ def _kernel_totals(llm: LLM, prompts, sp) -> dict[str, list[float]]:
             t = totals[evt.name]
             t[0] += 1
             t[1] += evt.time_range.elapsed_us()
-    return dict(totals)
+            spans.append((evt.time_range.start, evt.time_range.end))
+    return dict(totals), busy_us(spans)
 
 
 def step_kernels(short: dict, long: dict, steps: int) -> list[dict]:
@@ -84,7 +103,9 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
 
     Returns:
         ``{"settings", "bandwidth_gbs", "model_info", "points": [...]}``, each point with
-        ``kernels_per_step``, ``gpu_ms_per_step``, ``wall_ms_per_step``, ``roofline``,
+        ``kernels_per_step``, ``gpu_ms_per_step`` (the time some kernel ran: overlapping
+        PDL kernels count once), ``kernel_sum_ms_per_step`` (the kernels' durations added,
+        the per-kernel table's total), ``wall_ms_per_step``, ``roofline``,
         ``roofline_fraction_gpu`` / ``_wall`` and ``kernels`` (the table).
     """
     llm = LLM(**{**llm_kwargs, "max_num_seqs": max(batch_sizes),
@@ -102,9 +123,9 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
             wall = statistics.median(
                 (_timed_generate(llm, prompts, sp[1]) - _timed_generate(llm, prompts, sp[0]))
                 / steps * 1e3 for _ in range(repeats))
-            table = step_kernels(_kernel_totals(llm, prompts, sp[0]),
-                                 _kernel_totals(llm, prompts, sp[1]), steps)
-            gpu_ms = sum(r["ms_per_step"] for r in table)
+            (short, busy0), (long, busy1) = (_kernel_totals(llm, prompts, s) for s in sp)
+            table = step_kernels(short, long, steps)
+            gpu_ms = max(busy1 - busy0, 0.0) / steps / 1e3
             # the measured steps read contexts ctx + 1 + warmup ... ctx + warmup + steps
             roof = decode_roofline(info["weight_bytes"], info["kv_bytes_per_token"], b,
                                    ctx + warmup + (steps + 1) / 2, bw["bandwidth_gbs"])
@@ -112,6 +133,7 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
                 "batch": b, "context": ctx,
                 "kernels_per_step": sum(r["launches_per_step"] for r in table),
                 "gpu_ms_per_step": gpu_ms, "wall_ms_per_step": wall, "roofline": roof,
+                "kernel_sum_ms_per_step": sum(r["ms_per_step"] for r in table),
                 "roofline_fraction_gpu": roof["step_ms"] / gpu_ms if gpu_ms > 0 else None,
                 "roofline_fraction_wall": roof["step_ms"] / wall if wall > 0 else None,
                 "kernels": table[:top]})

@@ -31,7 +31,7 @@ Measured (H200, job V/W): 295 -> 211 kernels a decode step at batch 1; GPU time 
 1.036 -> 1.012 ms, TPOT 1.09 -> 1.05 ms. Small: the kernels that went away were short, and
 the four products that stayed run at ~40% of the bandwidth.
 
-With ``MRV2_PDL=1`` on Hopper (``mrv2.kernels.pdl``, off by default) the kernel is launched
+On Hopper (``mrv2.kernels.pdl``, on by default, ``MRV2_PDL=0`` off) the kernel is launched
 with programmatic dependent launch: each program issues the loads of its first weight
 tile(s), the norm weight and the bias, then ``gdc_wait`` (the previous kernel has completed),
 lets the next kernel launch, and only then reads x / residual. ``PDL=False`` compiles to the
