@@ -169,17 +169,18 @@ def _chain_us(m: int, layers: int, smoke: bool) -> float:
 
 
 def pdl_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
-    """Coordinate descent over ``skinny_fused._TUNED`` with the PDL chain as the measure:
-    per M, each kind's (block_n, num_warps) in turn, the others held at their best so far."""
+    """Coordinate descent over ``skinny_fused._TUNED_PDL`` (the PDL launches) with the PDL
+    chain as the measure: per M, each kind's (block_n, num_warps) in turn, the others held
+    at their best so far."""
     cfgs = [(2, 2), (4, 4)] if smoke else [(bn, nw) for bn in (2, 4, 8) for nw in (2, 4, 8)]
     cfgs += [] if smoke else [(16, 8)]
-    table, rows = dict(skinny_fused._TUNED), []
+    table, rows = dict(skinny_fused._TUNED_PDL), []
     for m in ms:
         start = _chain_us(m, layers, smoke)
         for kind in ("norm", "add", "gate_up"):
             timed = []
             for cfg in cfgs:
-                skinny_fused._TUNED = {**table, (kind, m): cfg}
+                skinny_fused._TUNED_PDL = {**table, (kind, m): cfg}
                 timed.append((_chain_us(m, layers, smoke), cfg))
             best = min(timed, key=lambda t: t[0])
             table[(kind, m)] = best[1]
@@ -188,7 +189,7 @@ def pdl_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
                          "timed": [{"cfg": list(c), "us": u} for u, c in timed]})
             print(f"pdl chain M={m} {kind:>8}: start {start:7.1f} us  best {best[0]:7.1f} "
                   f"(block_n, warps) = {best[1]}")
-    skinny_fused._TUNED = table  # the caller restores the module's table
+    skinny_fused._TUNED_PDL = table  # the caller restores the module's table
     print("tuned table:", {f"{k}": v for k, v in table.items()})
     return rows
 
@@ -245,13 +246,14 @@ def main(argv: list[str] | None = None) -> dict:
               "chain": chain(ms, args.smoke, args.layers, args.pdl),
               "kernels": sweep(ms, args.smoke) if args.sweep or args.smoke else []}
     if args.pdl_sweep:
-        before = dict(skinny_fused._TUNED)
+        before = dict(skinny_fused._TUNED_PDL)
         try:
             report["pdl_sweep"] = pdl_sweep(ms, args.smoke, args.layers)
-            report["pdl_tuned"] = [[k, m, *v] for (k, m), v in skinny_fused._TUNED.items()]
+            report["pdl_tuned"] = [[k, m, *v]
+                                   for (k, m), v in skinny_fused._TUNED_PDL.items()]
             report["pdl_chain_after"] = chain(ms, args.smoke, args.layers, True)
         finally:
-            skinny_fused._TUNED = before
+            skinny_fused._TUNED_PDL = before
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report

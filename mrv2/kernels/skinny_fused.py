@@ -219,15 +219,23 @@ def _skinny_fused_kernel(
 _TUNED = {("norm", 1): (4, 4), ("add", 1): (4, 4), ("gate_up", 1): (4, 4),
           ("norm", 2): (2, 2), ("add", 2): (2, 2), ("gate_up", 2): (8, 4)}
 
+#: The same under PDL (the default on Hopper), from job Y's coordinate descent with the
+#: whole 28-layer PDL chain as the measure (``scripts/bench_skinny_fused.py --pdl-sweep``):
+#: alone-best launches are not chain-best, because a grid that fills every SM leaves the
+#: next kernel's programs no room to start and prefetch. Chain at M = 1: 654 -> 580 us, at
+#: M = 2: 714 -> 654 us (PDL off with job V's table: 619 / 729).
+_TUNED_PDL = {("norm", 1): (2, 4), ("add", 1): (2, 8), ("gate_up", 1): (8, 2),
+              ("norm", 2): (8, 4), ("add", 2): (2, 2), ("gate_up", 2): (2, 4)}
 
-def _launch(M: int, N: int, K: int, kind: str) -> tuple[int, int, int]:
+
+def _launch(M: int, N: int, K: int, kind: str, with_pdl: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for ``kind`` ("norm", "add" or "gate_up": a gate_up
-    program streams BLOCK_N gate rows and BLOCK_N up rows) at M rows: ``_TUNED``, else
-    skinny_linear's launch."""
+    program streams BLOCK_N gate rows and BLOCK_N up rows) at M rows: ``_TUNED_PDL`` when
+    the launch takes PDL, else ``_TUNED``, else skinny_linear's launch."""
     bn, bk, nw = skinny_gemm._launch(M, N, K)
     if TRITON_INTERPRET:  # NOTE: the interpreter pays per program: few wide programs
         return min(triton.next_power_of_2(N), 64), bk, 1
-    bn, nw = _TUNED.get((kind, M), (bn, nw))
+    bn, nw = (_TUNED_PDL if with_pdl else _TUNED).get((kind, M), (bn, nw))
     return bn, bk, nw
 
 
@@ -259,10 +267,10 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     if M == 0 or N == 0:
         return out
     kind = "gate_up" if gate_up else "add" if residual is not None else "norm"
-    bn, bk, nw = _launch(M, N, K, kind)
+    use_pdl = pdl.use_pdl(x.device)
+    bn, bk, nw = _launch(M, N, K, kind, use_pdl)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
-    use_pdl = pdl.use_pdl(x.device)
     opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
     _skinny_fused_kernel[(triton.cdiv(N, bn),)](
