@@ -143,7 +143,9 @@ def test_split_parts_ref():
         for splits in (1, 2, 3, 8, 16):
             for msk in (1, 64, 512):
                 parts = split_parts_ref(kv, 64, splits, msk)
-                tiles = -(-(-(-kv // 64)) // max(1, min(max(kv // msk, 1), splits)))
+                n_tiles = (kv + 63) // 64
+                want = min(max(kv // msk, 1), splits)
+                tiles = (n_tiles + want - 1) // want
                 assert 1 <= parts <= splits and (parts - 1) * tiles * 64 < kv
 
 
