@@ -121,19 +121,3 @@ def test_sweep_script_smoke_writes_a_valid_table(tmp_path):
     table = load_table(str(table_path))
     assert len(table["entries"]) == len(GRID_BATCH) * len(GRID_CONTEXT)
 
-
-def test_min_split_keys_keeps_the_table_split_counts_at_its_grid_points():
-    """In a graph the launch's split count is the bound's; the kernel's parts per request
-    (``split_parts_ref`` with ``min_split_keys``) give back the table's own count at every
-    grid point of the committed table."""
-    from mrv2.kernels.attention import split_parts_ref
-    from mrv2.kernels.attention_table import load_table, min_split_keys
-    t = load_table()
-    for e in t["entries"]:
-        msk = min_split_keys(e["batch"], 8, t)
-        cfg = choose_decode_config(e["batch"], e["context"], 8, t)
-        assert split_parts_ref(e["context"], cfg["block_n"], cfg["num_splits"], msk) \
-            == cfg["num_splits"], e
-    assert min_split_keys(1, 8, t) == 64 and min_split_keys(32, 8, t) == 512
-    assert min_split_keys(256, 8, t) == 1                               # never splits
-    assert min_split_keys(64, 4, t) == min_split_keys(32, 8, t)          # in KV-head units

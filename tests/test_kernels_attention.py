@@ -134,8 +134,9 @@ def test_one_part_equals_the_unsplit_kernel_bitwise():
 
 def test_split_parts_ref():
     from mrv2.kernels.attention import split_parts_ref
-    assert split_parts_ref(150, 128, 16, 64) == 2          # b1 graph at ctx 150: 2 parts
-    assert split_parts_ref(150, 64, 2, 512) == 1           # b32 graph at ctx 150: unsplit
+    assert split_parts_ref(150, 64, 16, 1) == 3            # b1 graph at ctx 150: 3 tiles, 3 parts
+    assert split_parts_ref(60, 64, 16, 1) == 1             # one tile: one part, no merge
+    assert split_parts_ref(150, 64, 2, 512) == 1           # with a minimum part length
     assert split_parts_ref(1024, 64, 2, 512) == 2
     assert split_parts_ref(5 * 64, 64, 4, 1) == 3           # 5 tiles over 4: 2+2+1 -> 3 parts
     assert split_parts_ref(1, 64, 8, 1) == 1

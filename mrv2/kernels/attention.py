@@ -10,10 +10,10 @@ and weighted values in fp32), so a token attends to its whole context in one pas
 Grouped-query attention is free: the query heads sharing a KV head become extra rows of
 the same ``tl.dot``, so each K/V page is read once per group. Small decode batches split
 each sequence over several programs (flash-decoding) and merge the parts in a second
-kernel. The split count is a bound: a request whose context is short uses fewer parts
-(at least ``min_split_keys`` keys each, from the launch table), and one part writes the
-output itself, so a CUDA graph captured for ``max_model_len`` does not split a 150-token
-context 16 ways. See notebooks/01_qwen3_and_paged_kv.ipynb.
+kernel. The split count is a bound: a CUDA graph launches attention for ``max_model_len``,
+and a request whose context is shorter uses only the parts it fills (one key tile each at
+least); the programs of the others exit at once, and a request of one part writes its
+output itself, with nothing for the merge to do. See notebooks/01_qwen3_and_paged_kv.ipynb.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import pdl
 from mrv2.kernels.attention_table import (
-    HEURISTIC_MIN_SPLIT_KEYS,
     choose_decode_config,
     heuristic_decode_config,
     load_table,
-    min_split_keys,
 )
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
@@ -337,13 +335,9 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
         table = load_table()
         if table is not None and table["num_sms"] == _num_sms() and max_query_len == 1:
             cfg.update(choose_decode_config(num_reqs, max_seq_len, num_kv_heads, table))
-            cfg["min_split_keys"] = min_split_keys(num_reqs, num_kv_heads, table)
         else:
             cfg.update(heuristic_decode_config(num_reqs, max_seq_len, num_kv_heads, _num_sms(),
                                                max_query_len, block_q))
-            cfg["min_split_keys"] = HEURISTIC_MIN_SPLIT_KEYS
-        if cfg["num_splits"] == 1:
-            cfg["min_split_keys"] = 1  # NOTE: unused then: one compiled variant, not several
     return cfg
 
 
@@ -366,7 +360,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
             ``None`` lets the launcher choose.
         config: overrides of the launch configuration (``block_q``, ``block_n``,
             ``num_warps``, ``num_stages``, ``min_split_keys``: a request splits its keys
-            into at most ``kv_len // min_split_keys`` parts), for benchmarks.
+            into at most ``kv_len // min_split_keys`` parts, default 1), for benchmarks.
 
     Returns:
         ``out`` (allocated as zeros in ``q``'s dtype when not given).

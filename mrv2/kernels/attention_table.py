@@ -130,27 +130,3 @@ def choose_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
     cfg["num_splits"] = max(1, min(cfg["num_splits"], _cdiv(max_seq_len, cfg["block_n"])))
     return cfg
 
-
-def min_split_keys(num_reqs: int, num_kv_heads: int, table: dict) -> int:
-    """The fewest keys per split that the table's row of this batch uses anywhere.
-
-    A CUDA graph launches attention with the bound ``max_seq_len = max_model_len``, so the
-    table hands it the split count of the longest context; the kernel then splits each
-    request's actual keys into ``clamp(kv_len // min_split_keys, 1, num_splits)`` parts
-    (``_paged_attention_kernel``), which at every grid point of the row is the table's own
-    split count, and a short context in a graph sized for long ones runs unsplit.
-
-    Args:
-        num_reqs, num_kv_heads: the launch's shape (the batch row as ``choose_decode_config``
-            picks it).
-        table: a table as ``load_table`` returns it.
-
-    Returns:
-        ``min(context // num_splits)`` over the row's entries that split (1 if none does).
-    """
-    batches = sorted({e["batch"] for e in table["entries"]})
-    eff = max(1, num_reqs * num_kv_heads // table["num_kv_heads"])
-    b = batches[max(0, bisect.bisect_right(batches, eff) - 1)]
-    parts = [e["context"] // e["num_splits"] for e in table["entries"]
-             if e["batch"] == b and e["num_splits"] > 1]
-    return max(1, min(parts)) if parts else 1
