@@ -15,14 +15,10 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
 
 Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
 GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
-(block_n, block_k, num_warps). ``--pdl-sweep`` tunes the launches for PDL where they
-interact: the whole PDL chain, one kind's (block_n, num_warps) varied at a time over the
-current table (coordinate descent), because under PDL a kernel's grid decides whether the
-next kernel's programs fit beside it on the SMs and prefetch early.
+(block_n, block_k, num_warps).
 
     python scripts/bench_skinny_fused.py --sweep --out benchmarks/results/skinny_fused.json
     python scripts/bench_skinny_fused.py --pdl --out benchmarks/results/skinny_fused_pdl.json
-    python scripts/bench_skinny_fused.py --pdl-sweep --out benchmarks/results/skinny_pdl_sweep.json
     python scripts/bench_skinny_fused.py --smoke --out /tmp/f.json      # CPU, tiny, no timing
 """
 
@@ -46,7 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from mrv2.kernels import pdl, skinny_fused
+from mrv2.kernels import pdl
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -151,49 +147,6 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> li
     return rows
 
 
-def _chain_us(m: int, layers: int, smoke: bool) -> float:
-    """The fused chain with PDL on at ``m`` rows, captured in a CUDA graph (eager in smoke)."""
-    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
-    ws = _weights(layers, div, dev, dt)
-    h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
-    attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
-    run = _with_pdl(_fused, True)
-    run(h, attn, ws)
-    if smoke:
-        return 0.0
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(h, attn, ws)
-    return _time_us(graph.replay, smoke)
-
-
-def pdl_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
-    """Coordinate descent over ``skinny_fused._TUNED_PDL`` (the PDL launches) with the PDL
-    chain as the measure: per M, each kind's (block_n, num_warps) in turn, the others held
-    at their best so far."""
-    cfgs = [(2, 2), (4, 4)] if smoke else [(bn, nw) for bn in (2, 4, 8) for nw in (2, 4, 8)]
-    cfgs += [] if smoke else [(16, 8)]
-    table, rows = dict(skinny_fused._TUNED_PDL), []
-    for m in ms:
-        start = _chain_us(m, layers, smoke)
-        for kind in ("norm", "add", "gate_up"):
-            timed = []
-            for cfg in cfgs:
-                skinny_fused._TUNED_PDL = {**table, (kind, m): cfg}
-                timed.append((_chain_us(m, layers, smoke), cfg))
-            best = min(timed, key=lambda t: t[0])
-            table[(kind, m)] = best[1]
-            rows.append({"M": m, "kind": kind, "start_us": start, "best_us": best[0],
-                         "best": list(best[1]),
-                         "timed": [{"cfg": list(c), "us": u} for u, c in timed]})
-            print(f"pdl chain M={m} {kind:>8}: start {start:7.1f} us  best {best[0]:7.1f} "
-                  f"(block_n, warps) = {best[1]}")
-    skinny_fused._TUNED_PDL = table  # the caller restores the module's table
-    print("tuned table:", {f"{k}": v for k, v in table.items()})
-    return rows
-
-
 def sweep(ms: list[int], smoke: bool) -> list[dict]:
     """Each fused kernel alone over its launch knobs; the default launch first."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
@@ -231,8 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
-    ap.add_argument("--pdl-sweep", action="store_true",
-                    help="tune the launches with the PDL chain as the measure (coordinate descent)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
@@ -245,15 +196,6 @@ def main(argv: list[str] | None = None) -> dict:
               "smoke": args.smoke, "layers": args.layers,
               "chain": chain(ms, args.smoke, args.layers, args.pdl),
               "kernels": sweep(ms, args.smoke) if args.sweep or args.smoke else []}
-    if args.pdl_sweep:
-        before = dict(skinny_fused._TUNED_PDL)
-        try:
-            report["pdl_sweep"] = pdl_sweep(ms, args.smoke, args.layers)
-            report["pdl_tuned"] = [[k, m, *v]
-                                   for (k, m), v in skinny_fused._TUNED_PDL.items()]
-            report["pdl_chain_after"] = chain(ms, args.smoke, args.layers, True)
-        finally:
-            skinny_fused._TUNED_PDL = before
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report

@@ -120,4 +120,3 @@ def test_sweep_script_smoke_writes_a_valid_table(tmp_path):
     assert all(p["us"] > 0 and p["max_abs_diff_vs_heuristic"] < 1e-5 for p in res["points"])
     table = load_table(str(table_path))
     assert len(table["entries"]) == len(GRID_BATCH) * len(GRID_CONTEXT)
-

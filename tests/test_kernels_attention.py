@@ -111,45 +111,6 @@ def test_split_kv(num_splits):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("min_split_keys", [16, 48, 200])
-def test_split_kv_uses_fewer_parts_for_short_contexts(min_split_keys):
-    # A CUDA graph's launch: 8 splits sized for long contexts, requests of every length.
-    # Short ones use fewer parts (or one, which writes the output without the merge).
-    reqs = [(0, 1), (15, 1), (16, 1), (47, 1), (63, 1), (64, 1), (200, 1), (333, 3), (90, 5)]
-    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, num_pad_tokens=2)
-    expected = paged_attention_ref(q, kv_cache, md, 0.25)
-    cfg = {"num_splits": 8, "min_split_keys": min_split_keys, "block_n": 16}
-    got = paged_attention(q, kv_cache, md, 0.25, config=cfg)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_one_part_equals_the_unsplit_kernel_bitwise():
-    reqs = [(0, 1), (40, 1), (130, 1), (70, 3)]
-    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1)
-    unsplit = paged_attention(q, kv_cache, md, 0.25, config={"num_splits": 1, "block_n": 16})
-    one_part = paged_attention(q, kv_cache, md, 0.25,
-                               config={"num_splits": 4, "min_split_keys": 10**6, "block_n": 16})
-    assert torch.equal(unsplit, one_part)
-
-
-def test_split_parts_ref():
-    from mrv2.kernels.attention import split_parts_ref
-    assert split_parts_ref(150, 64, 16, 1) == 3            # b1 graph at ctx 150: 3 tiles, 3 parts
-    assert split_parts_ref(60, 64, 16, 1) == 1             # one tile: one part, no merge
-    assert split_parts_ref(150, 64, 2, 512) == 1           # with a minimum part length
-    assert split_parts_ref(1024, 64, 2, 512) == 2
-    assert split_parts_ref(5 * 64, 64, 4, 1) == 3           # 5 tiles over 4: 2+2+1 -> 3 parts
-    assert split_parts_ref(1, 64, 8, 1) == 1
-    for kv in range(1, 600):                                 # parts are never empty
-        for splits in (1, 2, 3, 8, 16):
-            for msk in (1, 64, 512):
-                parts = split_parts_ref(kv, 64, splits, msk)
-                n_tiles = (kv + 63) // 64
-                want = min(max(kv // msk, 1), splits)
-                tiles = (n_tiles + want - 1) // want
-                assert 1 <= parts <= splits and (parts - 1) * tiles * 64 < kv
-
-
 def test_out_buffer_and_strided_q():
     # q as a view into a fused qkv projection, written into a caller's buffer.
     q, kv_cache, md = make_batch([(10, 3), (0, 4)], 4, 2, 16, num_pad_tokens=1)

@@ -218,8 +218,6 @@ def _chain_in_graph(M, layers=4):
 @pytest.mark.parametrize("M", [1, 2])
 def test_gpu_pdl_chain_in_cuda_graph_bitwise_equal(M, monkeypatch):
     _needs_hopper()
-    # NOTE: PDL launches have their own table; the same launches isolate PDL's effect.
-    monkeypatch.setattr(skinny_fused, "_TUNED_PDL", dict(skinny_fused._TUNED))
     monkeypatch.setattr(pdl, "PDL_ENABLED", False)
     off = _chain_in_graph(M)
     monkeypatch.setattr(pdl, "PDL_ENABLED", True)
@@ -237,7 +235,6 @@ def test_gpu_model_decode_logits_bitwise_with_pdl(monkeypatch):
     its merge) launched with PDL vs without: bitwise equal logits."""
     _needs_hopper()
     from test_skinny_fused import _decode_logits, _qwen3_0_6b
-    monkeypatch.setattr(skinny_fused, "_TUNED_PDL", dict(skinny_fused._TUNED))  # as above
     model, config = _qwen3_0_6b(4)
     for ids in ([3], [3, 9]):
         monkeypatch.setattr(pdl, "PDL_ENABLED", False)

@@ -10,10 +10,7 @@ and weighted values in fp32), so a token attends to its whole context in one pas
 Grouped-query attention is free: the query heads sharing a KV head become extra rows of
 the same ``tl.dot``, so each K/V page is read once per group. Small decode batches split
 each sequence over several programs (flash-decoding) and merge the parts in a second
-kernel. The split count is a bound: a CUDA graph launches attention for ``max_model_len``,
-and a request whose context is shorter uses only the parts it fills (one key tile each at
-least); the programs of the others exit at once, and a request of one part writes its
-output itself, with nothing for the merge to do. See notebooks/01_qwen3_and_paged_kv.ipynb.
+kernel. See notebooks/01_qwen3_and_paged_kv.ipynb.
 """
 
 from __future__ import annotations
@@ -120,35 +117,9 @@ def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
     return acc, m_new, l_i
 
 
-def split_parts_ref(kv_len: int, block_n: int, num_splits: int, min_split_keys: int) -> int:
-    """Reference of the kernels' ``_split_tiles``: how many of ``num_splits`` parts a query
-    block with ``kv_len`` keys uses (every part non-empty, each >= ``min_split_keys`` keys
-    when more than one)."""
-    n_tiles = -(-kv_len // block_n)
-    want = min(max(kv_len // min_split_keys, 1), num_splits)
-    tiles = -(-n_tiles // want)
-    return -(-n_tiles // tiles)
-
-
-@triton.jit
-def _split_tiles(seq_len, q_len, q_block, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
-    # A program's keys end at kv_end (its last query row's position + 1). Its request uses
-    # `active` of the grid's NUM_SPLITS splits, each `tiles` key tiles long: as many parts
-    # of >= MIN_SPLIT_KEYS keys as fit, so a graph launched for long contexts (NUM_SPLITS
-    # from max_model_len) runs a short one unsplit, and every part is non-empty.
-    kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
-    n_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-    want = tl.minimum(tl.maximum(kv_end // MIN_SPLIT_KEYS, 1), NUM_SPLITS)
-    tiles = (n_tiles + want - 1) // want
-    active = (n_tiles + tiles - 1) // tiles
-    return kv_end, tiles, active
-
-
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches
 # triton.language (~1.6 ms a call); the kernel calls the helper's plain Python body there.
 _attend_tile_body = interpreter_body(_attend_tile)
-_split_tiles_body = interpreter_body(_split_tiles)
 
 
 @triton.jit
@@ -163,7 +134,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FOLD: tl.constexpr,
     ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # NOTE: with PDL every input may come from the kernel before: wait first, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
@@ -183,10 +154,6 @@ def _paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:  # padding rows and short queries stop here
         return
     ctx_len = seq_len - q_len
-    kv_end, tiles_per_split, active = _split_tiles_body(
-        seq_len, q_len, q_block, BLOCK_Q, BLOCK_N, NUM_SPLITS, MIN_SPLIT_KEYS)
-    if split >= active:  # a split this request's context is too short to need
-        return
 
     # Rows of the dot (BLOCK_M = BLOCK_Q * KV_FOLD * GROUP_PAD): BLOCK_Q tokens x the
     # folded KV heads x the GQA group of query heads sharing each KV head.
@@ -213,6 +180,8 @@ def _paged_attention_kernel(
     q = q.to(kv_cache_ptr.dtype.element_ty)  # tl.dot wants both operands in one dtype
 
     # Key range of this program: [lo, hi); keys below full_end are visible to every row.
+    kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    tiles_per_split = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
@@ -234,7 +203,7 @@ def _paged_attention_kernel(
             kh0, e_off, e_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
             PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
 
-    if active == 1:  # NOTE: a runtime test: with one part the merge has nothing to do
+    if NUM_SPLITS == 1:
         # Normalise and store each row's own head slice in the output dtype.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
@@ -250,13 +219,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, query_start_loc_ptr, seq_lens_ptr,  # inputs
-    out_ptr,                                                       # outputs
+    part_acc_ptr, part_ml_ptr, query_start_loc_ptr,  # inputs
+    out_ptr,                                         # outputs
     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,  # strides
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr = 1, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # NOTE: with PDL every input may come from the kernel before: wait first, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
@@ -268,19 +236,13 @@ def _merge_splits_kernel(
     qi = tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if qi >= q_len:
+    if qi >= tl.load(query_start_loc_ptr + b + 1) - q_start:
         return
     tok = q_start + qi
-    # The parts the attention programs of this token's query block wrote (the same count).
-    _, _, active = _split_tiles_body(tl.load(seq_lens_ptr + b), q_len, qi // BLOCK_Q,
-                                     BLOCK_Q, BLOCK_N, NUM_SPLITS, MIN_SPLIT_KEYS)
-    if active == 1:  # the attention program wrote the output itself
-        return
 
-    # Load every part's (max, sum) and weight it against the global max.
+    # Load every split's (max, sum) and weight it against the global max.
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < active
+    s_ok = s < NUM_SPLITS
     ml_ptr = part_ml_ptr + tok * stride_mt + h * stride_mh + s * stride_ms
     m_s = tl.load(ml_ptr, mask=s_ok, other=-1.0e30)                    # [BLOCK_S]
     l_s = tl.load(ml_ptr + 1, mask=s_ok, other=0.0)
@@ -320,7 +282,7 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     else:
         block_q = max(1, 64 // group_pad)
     cfg = {"block_q": block_q, "block_n": 64, "num_splits": 1, "kv_fold": 1,
-           "num_warps": 4, "num_stages": 2, "min_split_keys": 1}
+           "num_warps": 4, "num_stages": 2}
     if TRITON_INTERPRET:
         # NOTE: the interpreter pays per operation, not per element: few, wide tiles, and
         # as many KV heads per program as divide evenly (a power of two, <= 512 columns).
@@ -359,8 +321,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         num_splits: split each sequence's keys over this many programs (flash-decoding);
             ``None`` lets the launcher choose.
         config: overrides of the launch configuration (``block_q``, ``block_n``,
-            ``num_warps``, ``num_stages``, ``min_split_keys``: a request splits its keys
-            into at most ``kv_len // min_split_keys`` parts, default 1), for benchmarks.
+            ``num_warps``, ``num_stages``), for benchmarks.
 
     Returns:
         ``out`` (allocated as zeros in ``q``'s dtype when not given).
@@ -381,8 +342,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
     block_d = max(16, triton.next_power_of_2(head_dim))
     cfg = _pick_config(num_reqs, num_kv_heads, group_pad, md.max_query_len, md.max_seq_len,
                        block_d)
-    if num_splits is not None:  # a caller's split count: every part used, however short
-        cfg["num_splits"], cfg["min_split_keys"] = num_splits, 1
+    if num_splits is not None:
+        cfg["num_splits"] = num_splits
     cfg.update(config or {})
     splits = cfg["num_splits"]
 
@@ -407,17 +368,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         DOT_PRECISION="ieee" if fp32 else "tf32",
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
-        BLOCK_D=block_d, MIN_SPLIT_KEYS=cfg["min_split_keys"], PDL=use_pdl,
+        BLOCK_D=block_d, PDL=use_pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:
         _merge_splits_kernel[(num_reqs, md.max_query_len, num_heads)](
-            part_acc, part_ml, md.query_start_loc, md.seq_lens,
+            part_acc, part_ml, md.query_start_loc,
             out,
             *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
             HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, BLOCK_Q=cfg["block_q"],
-            BLOCK_N=cfg["block_n"], MIN_SPLIT_KEYS=cfg["min_split_keys"], PDL=use_pdl,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=use_pdl,
             **pdl.launch_kwargs(use_pdl),
         )
     return out

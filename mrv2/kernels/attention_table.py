@@ -32,10 +32,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-#: The heuristic splits a sequence only into parts of at least this many keys.
-HEURISTIC_MIN_SPLIT_KEYS = 512
-
-
 def heuristic_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
                             num_sms: int, max_query_len: int = 1, block_q: int = 1) -> dict:
     """The hand-written decode launch (measured on an H200 with scripts/bench_attention.py).
@@ -56,7 +52,7 @@ def heuristic_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
         # Flash-decoding: too few programs to fill the GPU, so split each sequence,
         # but only into parts of >= 512 keys (shorter parts lose to the merge pass).
         want = _cdiv(8 * num_sms, programs)
-        cfg["num_splits"] = max(1, min(want, max_seq_len // HEURISTIC_MIN_SPLIT_KEYS, 32))
+        cfg["num_splits"] = max(1, min(want, max_seq_len // 512, 32))
         if cfg["num_splits"] > 1:  # the split launch was measured with 4 warps, 2 stages
             cfg.update(num_warps=4, num_stages=2)
     return cfg
@@ -129,4 +125,3 @@ def choose_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
     cfg = {k: e[k] for k in _KEYS}
     cfg["num_splits"] = max(1, min(cfg["num_splits"], _cdiv(max_seq_len, cfg["block_n"])))
     return cfg
-

@@ -218,24 +218,21 @@ def _skinny_fused_kernel(
 #: the best launches 9.1 / 9.6, 8.3 / 8.3, 10.3 / 11.3, 9.5 / 10.7. Two rows want 2 warps.
 _TUNED = {("norm", 1): (4, 4), ("add", 1): (4, 4), ("gate_up", 1): (4, 4),
           ("norm", 2): (2, 2), ("add", 2): (2, 2), ("gate_up", 2): (8, 4)}
-
-#: The same under PDL (the default on Hopper), from job Y's coordinate descent with the
-#: whole 28-layer PDL chain as the measure (``scripts/bench_skinny_fused.py --pdl-sweep``):
-#: alone-best launches are not chain-best, because a grid that fills every SM leaves the
-#: next kernel's programs no room to start and prefetch. Chain at M = 1: 654 -> 580 us, at
-#: M = 2: 714 -> 654 us (PDL off with job V's table: 619 / 729).
-_TUNED_PDL = {("norm", 1): (2, 4), ("add", 1): (2, 8), ("gate_up", 1): (8, 2),
-              ("norm", 2): (8, 4), ("add", 2): (2, 2), ("gate_up", 2): (2, 4)}
+#: Under PDL (the default on Hopper) the same table: job Y's coordinate descent with the
+#: 28-layer PDL GEMM chain as the measure found launches that ran that chain 654 -> 580 us at
+#: M = 1, but the model with them (qkv -> RoPE -> attention -> merge -> o_proj between them)
+#: lost TPOT at batch 1 in job AA: 0.920 -> 0.943 ms, in one job. Alone-best stays.
 
 
-def _launch(M: int, N: int, K: int, kind: str, with_pdl: bool = False) -> tuple[int, int, int]:
+
+def _launch(M: int, N: int, K: int, kind: str) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for ``kind`` ("norm", "add" or "gate_up": a gate_up
-    program streams BLOCK_N gate rows and BLOCK_N up rows) at M rows: ``_TUNED_PDL`` when
-    the launch takes PDL, else ``_TUNED``, else skinny_linear's launch."""
+    program streams BLOCK_N gate rows and BLOCK_N up rows) at M rows: ``_TUNED``, else
+    skinny_linear's launch."""
     bn, bk, nw = skinny_gemm._launch(M, N, K)
     if TRITON_INTERPRET:  # NOTE: the interpreter pays per program: few wide programs
         return min(triton.next_power_of_2(N), 64), bk, 1
-    bn, nw = (_TUNED_PDL if with_pdl else _TUNED).get((kind, M), (bn, nw))
+    bn, nw = _TUNED.get((kind, M), (bn, nw))
     return bn, bk, nw
 
 
@@ -268,7 +265,7 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
         return out
     kind = "gate_up" if gate_up else "add" if residual is not None else "norm"
     use_pdl = pdl.use_pdl(x.device)
-    bn, bk, nw = _launch(M, N, K, kind, use_pdl)
+    bn, bk, nw = _launch(M, N, K, kind)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
     opts.update(pdl.launch_kwargs(use_pdl))
