@@ -21,8 +21,9 @@ What Triton 3.6.0 (the H200 machine's) offers, read in its wheel:
   That is an ordinary stream launch, so torch's CUDA-graph stream capture records it: since
   CUDA 12.3 capture turns the attribute into a programmatic graph edge
   (``CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC``), and Triton's tutorial 11 times PDL under
-  ``do_bench_cudagraph``. (Read, not yet measured here: the GPU tests check the results,
-  ``scripts/bench_skinny_fused.py --pdl`` the overlap.)
+  ``do_bench_cudagraph``. Measured here (job X): the replayed decode graph got faster with it
+  (batch 1, ``bench decode``: wall 1.088 -> 0.940 ms a step), so capture keeps the overlap; the
+  GPU tests check that the outputs are bitwise those without it.
 * ``triton/runtime/interpreter.py``: inline asm raises NotImplementedError and unknown launch
   kwargs are dropped, so kernels take a ``PDL: tl.constexpr`` and skip the calls when False
   (and when ``GDC_CALLS`` is False: under the interpreter).
@@ -46,7 +47,11 @@ through the JIT's own specialisation without a GPU); PDL=True costs registers on
 
 On by default since job X (session 6, H200, Qwen3-0.6B shape): TPOT at batch 1 went 1.059 ->
 0.893 ms with it, batch 8 1.320 -> 1.293, batch 32 1.505 -> 1.502 (at batch 32 the products are
-cuBLAS's, launched without the attribute, so only attention and its merge overlap).
+cuBLAS's, launched without the attribute, so only attention and its merge overlap). The GEMM-only
+chain (``scripts/bench_skinny_fused.py --pdl``, 28 layers) is *not* faster with it at M = 1
+(654 vs 619 us, job Y; 715 vs 729 at M = 2): back-to-back weight streams whose grids fill every
+SM leave the next kernel no room to start early. The gain is at the small kernels between the
+products (RoPE, attention, the merge), whose launches now hide behind their neighbours.
 ``MRV2_PDL=0`` turns it off (read at import); never under the interpreter, and only on
 devices of compute capability 9.0 or newer (``griddepcontrol`` is sm_90 PTX).
 """
