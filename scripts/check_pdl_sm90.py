@@ -36,11 +36,12 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import attention, pdl, rotary, skinny_fused
+from mrv2.kernels import attention, pdl, rotary, skinny_fused, small_m_fused
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
-           (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"))
+           (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"),
+           (small_m_fused, "_small_m_fused_kernel"))
 
 
 class _Capture:
@@ -86,6 +87,18 @@ def _decode_launches(rows: int) -> None:
                                    torch.randn(1024, 3072, dtype=bf), h)
 
 
+def _small_m_launches(rows: int) -> None:
+    """The tensor-core fused GEMMs (mrv2.kernels.small_m_fused) at ``rows`` tokens."""
+    bf = torch.bfloat16
+    h, nw = torch.randn(rows, 1024, dtype=bf), torch.randn(1024, dtype=bf)
+    small_m_fused.small_m_norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
+    small_m_fused.small_m_linear_add(torch.randn(rows, 2048, dtype=bf),
+                                     torch.randn(1024, 2048, dtype=bf), h)
+    small_m_fused.small_m_norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
+    small_m_fused.small_m_linear_add(torch.randn(rows, 3072, dtype=bf),
+                                     torch.randn(1024, 3072, dtype=bf), h)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
     for rows in (1, 2):
         _decode_launches(rows)
+    for rows in (4, 32):
+        _small_m_launches(rows)
     ptxas = triton.knobs.nvidia.ptxas.path                 # the ptxas this Triton compiles with
     rows = []
     for name, cap in caps.items():

@@ -236,8 +236,10 @@ def _launch(M: int, N: int, K: int, kind: str) -> tuple[int, int, int]:
     return bn, bk, nw
 
 
-def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None) -> None:
-    skinny_gemm.check_linear_args(name, x, weight, MAX_M)
+def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None,
+           max_m: int = MAX_M) -> None:
+    """Raise ``ValueError`` naming the problem with a fused GEMM's arguments (before work)."""
+    skinny_gemm.check_linear_args(name, x, weight, max_m)
     M, K = x.shape
     if K == 0:
         raise ValueError(f"{name} needs K > 0 (got x {tuple(x.shape)})")

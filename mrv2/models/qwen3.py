@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
-from mrv2.kernels import skinny_fused
 from mrv2.kernels.activation import silu_and_mul, silu_and_mul_ref
 from mrv2.kernels.attention import paged_attention
 from mrv2.kernels.kv_cache import write_kv_cache
@@ -29,12 +28,8 @@ from mrv2.kernels.layernorm import (
     rms_norm_ref,
 )
 from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
-from mrv2.kernels.skinny_fused import (
-    skinny_linear_add,
-    skinny_norm_gate_up_silu,
-    skinny_norm_linear,
-)
 from mrv2.kernels.skinny_gemm import Linear, linear
+from mrv2.kernels.small_m_fused import SKINNY_OPS, fused_decode_ops
 from mrv2.platform import TRITON_INTERPRET
 
 #: Fused Triton kernels for the norms (+ residual add), q/k-norm + RoPE and SiLU * up.
@@ -349,25 +344,29 @@ class Qwen3DecoderLayer(nn.Module):
                 and isinstance(self.input_layernorm, Qwen3RMSNorm)
                 and isinstance(self.post_attention_layernorm, Qwen3RMSNorm))
 
-    def forward_decode(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward_decode(self, positions: torch.Tensor, h: torch.Tensor,
+                       ops: tuple | None = None) -> torch.Tensor:
         """The same block for a decode-sized batch (mrv2/kernels/skinny_fused.py): 4 GEMM
         kernels with the norms, residual adds and SiLU * up fused in.
 
         Args:
             positions: ``[T]``; h: ``[T, hidden]`` the residual stream, UPDATED IN PLACE.
+            ops: the fused ``(norm_linear, linear_add, norm_gate_up_silu)`` to use
+                (``fused_decode_ops``; default skinny_fused's, for 1-2 rows).
 
         Returns:
             ``h`` (now ``x + attn(norm(x)) + mlp(norm(...))``).
         """
+        norm_linear, linear_add, norm_gate_up_silu = ops or SKINNY_OPS
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = skinny_norm_linear(h, ln1.weight, ln1.variance_epsilon,
-                                 *attn._packed["qkv"])                 # [T, (H + 2 H_kv) D]
+        qkv = norm_linear(h, ln1.weight, ln1.variance_epsilon,
+                          *attn._packed["qkv"])                        # [T, (H + 2 H_kv) D]
         out = attn.attend(positions, qkv)                                  # [T, H * D]
-        h = skinny_linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)    # h += o_proj
-        act = skinny_norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon,
-                                       *mlp._packed["gate_up"])            # [T, inter]
-        return skinny_linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias)
+        h = linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)       # h += o_proj
+        act = norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon,
+                                *mlp._packed["gate_up"])                   # [T, inter]
+        return linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias)
 
 
 class Qwen3Model(nn.Module):
@@ -375,7 +374,9 @@ class Qwen3Model(nn.Module):
 
     A decode-sized forward (at most ``MODEL_MAX_M`` tokens on the GPU, where the linears
     take the skinny GEMM; ``MRV2_FUSED_DECODE=0`` turns it off) runs every layer's
-    ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py).
+    ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py);
+    with ``MRV2_SMALL_M_FUSED=1`` (unmeasured, off) 3-64 tokens take the tensor-core
+    version of the same kernels (mrv2/kernels/small_m_fused.py).
 
     Args: as :class:`Qwen3ForCausalLM`.
     """
@@ -395,13 +396,14 @@ class Qwen3Model(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # A ModelState hook may pass precomputed (e.g. multimodal) embeddings instead of ids.
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        if skinny_fused.use_fused_decode(h) and all(la.can_fuse_decode() for la in self.layers):
+        ops = fused_decode_ops(h)
+        if ops is not None and all(la.can_fuse_decode() for la in self.layers):
             # Decode-sized: ONE residual stream h, added into in place by every layer.
             # NOTE: never into a caller's inputs_embeds (embed_tokens' output is fresh).
             if inputs_embeds is not None:
                 h = h.clone(memory_format=torch.contiguous_format)
             for layer in self.layers:
-                h = layer.forward_decode(positions, h)
+                h = layer.forward_decode(positions, h, ops)
             return self.norm(h)                                                 # [T, hidden]
         residual = None
         for layer in self.layers:

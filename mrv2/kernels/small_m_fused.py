@@ -1,0 +1,286 @@
+"""The decode layer's fused GEMMs for 3 to 64 rows, on tensor cores (``small_m_gemm``'s stream).
+
+``skinny_fused`` runs a decode layer as four weight streams with RMSNorm, the residual adds
+and SiLU * up folded in, but only for 1-2 rows: it multiplies on CUDA cores, re-reading each
+weight tile once per row from registers, which loses from 4 rows on. From 3 rows the model
+falls back to cuBLAS, and with it to the kernels around the products: at batch 32 (H200, job
+Y) 57 ``_rms_norm_kernel`` and 28 ``_silu_and_mul_kernel`` launches a step (0.13 ms), and
+products that programmatic dependent launch cannot overlap (cuBLAS is launched without the
+attribute). This module is the same three fused entry points on ``small_m_gemm``'s
+tensor-core stream (``tl.dot`` on ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]``, M padded to
+tl.dot's 16 rows, no split-K):
+
+* ``small_m_norm_linear``: RMSNorm in the prologue (each program takes its rows' inverse RMS
+  over all of K first; x is at most 64 x hidden);
+* ``small_m_linear_add``: ``residual += x @ W.T`` in the epilogue, in place;
+* ``small_m_norm_gate_up_silu``: RMSNorm in the prologue, a program streams its gate rows
+  AND the matching up rows into two accumulators, SiLU * up in the epilogue.
+
+Numerics are the unfused path's, as in ``skinny_fused``: fp32 accumulation, and every value
+the unfused path writes (the normed x, each product, SiLU's result) rounded to the
+activation dtype before use. The torch references are ``skinny_fused``'s. With PDL (Hopper,
+``mrv2.kernels.pdl``) a program loads its first weight tile(s) before ``gdc_wait``.
+
+NOT measured yet, so the model takes it only with ``MRV2_SMALL_M_FUSED=1`` (and on the GPU,
+or under the interpreter when tests set ``ENABLED``). Job V measured the unfused stream at
+M = 32 (28-layer chain, best launches): 715 us against cuBLAS's 661; what this adds is the
+0.13 ms of norm and SiLU kernels it removes and the PDL overlap of every product. The first
+GPU job decides (``MRV2_SMALL_M_FUSED=1 python -m mrv2 bench latency``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from mrv2.kernels import pdl, skinny_fused
+from mrv2.kernels.layernorm import row_sum
+from mrv2.kernels.pdl import GDC_CALLS
+from mrv2.kernels.small_m_gemm import MAX_M
+from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
+
+#: The rows the model's decode path sends here (from skinny_fused's last row + 1).
+MODEL_MIN_M = skinny_fused.MODEL_MAX_M + 1
+#: Off until a GPU job measures it: ``MRV2_SMALL_M_FUSED=1`` on a GPU. Tests set it True.
+ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
+                 and os.environ.get("MRV2_SMALL_M_FUSED", "0") == "1")
+
+
+def use_small_m_fused(x: torch.Tensor) -> bool:
+    """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
+    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MAX_M
+            and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET))
+
+
+@triton.jit
+def _dot(acc, x, w, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs: exact fp32 products, as F.linear (no TF32)
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
+def _x_tile(x_ptrs, norm_w_ptr, rstd, k0, K, m_mask, kk, NORM: tl.constexpr,
+            EVEN_K: tl.constexpr):
+    # The [BM, BK] activation tile at k0 (rows past M and columns past K read as 0), normed.
+    if EVEN_K:
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + kk < K)[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(norm_w_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+        # NOTE: rounded to x's dtype, as the unfused rms_norm writes it for the GEMM.
+        x = ((x.to(tl.float32) * rstd[:, None]) * nw[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _w_tiles(w_ptrs, k0, K, kk, up_off, GATE_UP: tl.constexpr, EVEN_K: tl.constexpr):
+    # The [BK, BN] W^T tile at k0 and, for gate_up, the up rows' tile (else the same tile).
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0)
+    else:
+        w = tl.load(w_ptrs + k0, mask=(k0 + kk < K)[:, None], other=0.0)
+    wu = w
+    if GATE_UP:  # the up rows of the same columns: rows N + n of the packed weight
+        wu = tl.load(w_ptrs + k0 + up_off, mask=(k0 + kk < K)[:, None], other=0.0)
+    return w, wu
+
+
+# NOTE: under the interpreter every call of a @triton.jit helper re-patches
+# triton.language (~1.6 ms a call); the kernel calls the helpers' plain Python bodies there.
+_dot_body = interpreter_body(_dot)
+_x_tile_body = interpreter_body(_x_tile)
+_w_tiles_body = interpreter_body(_w_tiles)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _small_m_fused_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
+    out_ptr,                                            # output [M, N] (may BE residual)
+    M, N, K, eps,                                       # sizes (N: output columns)
+    stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
+    NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    # One program: BLOCK_N output columns x BLOCK_M rows; grid (column blocks, row blocks).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
+    kk = tl.arange(0, BLOCK_K)                                               # [BK]
+    m_mask = m < M
+    dt = out_ptr.dtype.element_ty
+    # NOTE: the last column block wraps onto real rows of W (n % N): unmasked weight loads.
+    w_ptrs = w_ptr + (n % N)[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]: W^T
+    x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :]      # [BM, BK]
+
+    up_off = N * stride_wn                                                   # gate -> up rows
+    if PDL:
+        # Before the wait, only weights (no earlier kernel writes them): the first tile(s).
+        w0, wu0 = _w_tiles_body(w_ptrs, 0, K, kk, up_off, GATE_UP, EVEN_K)
+        if GDC_CALLS:  # NOTE: every program waits; the contract of mrv2/kernels/pdl.py
+            gdc_wait()
+            gdc_launch_dependents()
+
+    # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is small).
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
+    if NORM:
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + kk < K)[None, :],
+                         other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = tl.math.rsqrt(row_sum(sq, axis=1) / K + eps)                  # [BM]
+
+    # Main loop: the weight tile(s) of this program's columns along K, through tensor cores.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                     # gate (or all)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                  # up (GATE_UP)
+    k_start = 0
+    if PDL:  # the first K step with the prefetched tile(s): the loop's body, peeled
+        x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, 0, K, m_mask, kk, NORM, EVEN_K)
+        acc = _dot_body(acc, x, w0, IEEE)
+        if GATE_UP:
+            acc_up = _dot_body(acc_up, x, wu0, IEEE)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, k0, K, m_mask, kk, NORM, EVEN_K)
+        w, wu = _w_tiles_body(w_ptrs, k0, K, kk, up_off, GATE_UP, EVEN_K)
+        acc = _dot_body(acc, x, w, IEEE)                                     # [BM, BN]
+        if GATE_UP:
+            acc_up = _dot_body(acc_up, x, wu, IEEE)
+
+    # Epilogue: bias, then SiLU * up or the residual add, rounding where the unfused path does.
+    n_mask = n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt).to(tl.float32)                                            # [BM, BN]
+    if GATE_UP:
+        s = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)                  # silu(g)
+        y = (s * acc_up.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:
+        # NOTE: in place is race-free: a program reads and writes only its own elements.
+        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
+        y = y + r.to(tl.float32)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], y.to(dt), mask=mask)
+
+
+def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, config):
+    if weight.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} takes fp32, bf16 or fp16 x and a weight of x's dtype, got "
+                         f"{x.dtype} and {weight.dtype}")
+    M, K = x.shape
+    if M == 0 or N == 0:
+        return out
+    cfg = _small_m_launch(M, N, K, x.element_size())
+    if gate_up:  # NOTE: two weight tiles in flight per stage: one stage less
+        cfg["num_stages"] = max(2, cfg["num_stages"] - 1)
+    cfg.update(config or {})
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    use_pdl = pdl.use_pdl(x.device)
+    opts = ({} if TRITON_INTERPRET else
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    opts.update(pdl.launch_kwargs(use_pdl))
+    r = residual if residual is not None else out                # unused without the add
+    _small_m_fused_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+        x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, r, out,
+        M, N, K, float(eps),
+        x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+        NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **opts)
+    return out
+
+
+def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        config: dict | None = None) -> torch.Tensor:
+    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` for <= 64 rows, one stream.
+
+    Args:
+        x: ``[M, K]`` the residual stream (M <= 64), last dim contiguous.
+        norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
+        weight: ``[N, K]``, last dim contiguous, x's dtype; bias: optional ``[N]``.
+        config: launch overrides (``block_m``, ``block_n``, ``block_k``, ``num_warps``,
+            ``num_stages``; the GPU sweep's knobs).
+
+    Returns:
+        A new ``[M, N]`` tensor in x's dtype.
+    """
+    skinny_fused._check("small_m_norm_linear", x, weight, bias, weight.shape[0], norm_weight,
+                        max_m=MAX_M)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return _run("small_m_norm_linear", x, norm_weight, eps, weight, bias, None, out,
+                weight.shape[0], gate_up=False, config=config)
+
+
+def small_m_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, config: dict | None = None
+                       ) -> torch.Tensor:
+    """``residual += F.linear(x, weight, bias)``, in place, for <= 64 rows, one stream.
+
+    Args:
+        x: ``[M, K]`` (M <= 64), last dim contiguous, not sharing memory with residual.
+        weight: ``[N, K]``, last dim contiguous; bias: optional ``[N]``.
+        residual: ``[M, N]`` in x's dtype, last dim contiguous: overwritten with the sum.
+        config: launch overrides.
+
+    Returns:
+        ``residual`` itself (the product is rounded to the dtype, then added: as torch).
+    """
+    skinny_fused._check("small_m_linear_add", x, weight, bias, weight.shape[0],
+                        residual=residual, max_m=MAX_M)
+    return _run("small_m_linear_add", x, None, 0.0, weight, bias, residual, residual,
+                weight.shape[0], gate_up=False, config=config)
+
+
+def small_m_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
+                              *, config: dict | None = None) -> torch.Tensor:
+    """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``, <= 64 rows.
+
+    Args:
+        x: ``[M, K]`` the residual stream (M <= 64), last dim contiguous.
+        norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
+        gate_up_weight: ``[2I, K]`` packed (rows ``0..I-1`` gate_proj, ``I..2I-1`` up_proj);
+            bias: optional ``[2I]`` packed the same way.
+        config: launch overrides.
+
+    Returns:
+        A new ``[M, I]`` tensor in x's dtype (the MLP's activation, down_proj's input).
+    """
+    if gate_up_weight.dim() == 2 and gate_up_weight.shape[0] % 2:
+        raise ValueError(f"small_m_norm_gate_up_silu: gate_up_weight needs an even number of "
+                         f"rows [2I, K], got {tuple(gate_up_weight.shape)}")
+    skinny_fused._check("small_m_norm_gate_up_silu", x, gate_up_weight, bias,
+                        gate_up_weight.shape[0], norm_weight, max_m=MAX_M)
+    inter = gate_up_weight.shape[0] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    return _run("small_m_norm_gate_up_silu", x, norm_weight, eps, gate_up_weight, bias, None,
+                out, inter, gate_up=True, config=config)
+
+
+#: The fused decode GEMMs ``(norm_linear, linear_add, norm_gate_up_silu)`` per row range.
+SKINNY_OPS = (skinny_fused.skinny_norm_linear, skinny_fused.skinny_linear_add,
+              skinny_fused.skinny_norm_gate_up_silu)
+SMALL_M_OPS = (small_m_norm_linear, small_m_linear_add, small_m_norm_gate_up_silu)
+
+
+def fused_decode_ops(h: torch.Tensor) -> tuple | None:
+    """The fused decode GEMMs a forward over ``h [T, hidden]`` takes, or ``None`` (the
+    unfused layers): skinny_fused's for 1-2 rows, this module's for 3-64 when it is on.
+    Reads only shapes: graph- and sync-safe."""
+    if skinny_fused.use_fused_decode(h):
+        return SKINNY_OPS
+    if use_small_m_fused(h):
+        return SMALL_M_OPS
+    return None
