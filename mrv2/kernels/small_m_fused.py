@@ -131,12 +131,14 @@ def _small_m_fused_kernel(
     # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is small).
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
     if NORM:
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        # NOTE: summed per K step into [BM] (skinny_fused keeps [BM, BK]: here that tile
+        # would hold 64 registers a thread at 32 rows).
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + kk < K)[None, :],
                          other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.math.rsqrt(row_sum(sq, axis=1) / K + eps)                  # [BM]
+            ss += row_sum(xs * xs, axis=1)
+        rstd = tl.math.rsqrt(ss / K + eps)                                   # [BM]
 
     # Main loop: the weight tile(s) of this program's columns along K, through tensor cores.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                     # gate (or all)
