@@ -13,6 +13,10 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
   others are forced off; Hopper only, so on the CPU smoke run it is the ``fused`` path
   again), with ``equal_to_fused`` (bitwise).
 
+``--rows 4,8,32`` (3-64 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
+``F.linear``, ``silu_and_mul``) with ``mrv2.kernels.small_m_fused``'s tensor-core ones
+(``fused``, ``fused_pdl``).
+
 Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
 GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
 (block_n, block_k, num_warps).
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from mrv2.kernels import pdl
+from mrv2.kernels import pdl, skinny_fused, small_m_fused
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -90,13 +94,21 @@ def _unfused(gemm):
     return run
 
 
-def _fused(h, attn, ws):
-    h = h.clone()                                          # the chain adds into h in place
-    for w in ws:
-        skinny_norm_linear(h, w["ln1"], EPS, w["qkv"])
-        skinny_linear_add(attn, w["o"], h)
-        skinny_linear_add(skinny_norm_gate_up_silu(h, w["ln2"], EPS, w["gate_up"]), w["down"], h)
-    return h
+def _fused_with(ops):
+    """The fused decode layers with ``ops = (norm_linear, linear_add, norm_gate_up_silu)``."""
+    norm_linear, linear_add, norm_gate_up_silu = ops
+
+    def run(h, attn, ws):
+        h = h.clone()                                      # the chain adds into h in place
+        for w in ws:
+            norm_linear(h, w["ln1"], EPS, w["qkv"])
+            linear_add(attn, w["o"], h)
+            linear_add(norm_gate_up_silu(h, w["ln2"], EPS, w["gate_up"]), w["down"], h)
+        return h
+    return run
+
+
+_fused = _fused_with((skinny_norm_linear, skinny_linear_add, skinny_norm_gate_up_silu))
 
 
 def _with_pdl(run, on: bool):
@@ -115,12 +127,18 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> li
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
     mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
-    runners = {"cublas": _unfused(F.linear), "unfused": _unfused(skinny_linear), "fused": _fused}
-    runners = {label: _with_pdl(run, False) for label, run in runners.items()}
-    if with_pdl:
-        runners["fused_pdl"] = _with_pdl(_fused, True)
     rows = []
     for m in ms:
+        if m <= skinny_fused.MODEL_MAX_M:
+            runners = {"cublas": _unfused(F.linear), "unfused": _unfused(skinny_linear),
+                       "fused": _fused}
+        else:  # 3-64 rows: the model's cuBLAS layers vs the tensor-core fused ones
+            runners = {"unfused": _unfused(F.linear),
+                       "fused": _fused_with(small_m_fused.SMALL_M_OPS)}
+        fused = runners["fused"]
+        runners = {label: _with_pdl(run, False) for label, run in runners.items()}
+        if with_pdl:
+            runners["fused_pdl"] = _with_pdl(fused, True)
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
         attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
         results = {}
@@ -182,20 +200,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
     ap.add_argument("--sweep", action="store_true", help="also each kernel alone, every config")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--rows", default="1,2", help="chain rows, comma-separated (3-64: "
+                    "small_m_fused's tensor-core layers against cuBLAS's)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
         raise SystemExit("bench_skinny_fused times the GPU; use --smoke on the CPU")
-    ms = [1, 2]
+    ms = [int(r) for r in args.rows.split(",")]
     report = {"benchmark": "fused decode GEMM chain",
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
               "chain": chain(ms, args.smoke, args.layers, args.pdl),
-              "kernels": sweep(ms, args.smoke) if args.sweep or args.smoke else []}
+              "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)
+                          if args.sweep or args.smoke else [])}
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report
