@@ -78,25 +78,19 @@ def _decode_launches(rows: int) -> None:
                            torch.full((rows,), 1000, dtype=torch.int32),
                            torch.zeros(rows, 64, dtype=torch.int32), slots, 1, 1000)
     attention.paged_attention(q, kv, md, 128 ** -0.5)
-    h, nw = torch.randn(rows, 1024, dtype=bf), torch.randn(1024, dtype=bf)
-    skinny_fused.skinny_norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
-    skinny_fused.skinny_linear_add(torch.randn(rows, 2048, dtype=bf),
-                                   torch.randn(1024, 2048, dtype=bf), h)
-    skinny_fused.skinny_norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
-    skinny_fused.skinny_linear_add(torch.randn(rows, 3072, dtype=bf),
-                                   torch.randn(1024, 3072, dtype=bf), h)
+    _gemm_launches(rows, small_m_fused.SKINNY_OPS)
 
 
-def _small_m_launches(rows: int) -> None:
-    """The tensor-core fused GEMMs (mrv2.kernels.small_m_fused) at ``rows`` tokens."""
+def _gemm_launches(rows: int, ops) -> None:
+    """A decode layer's four fused GEMMs, ``ops = (norm_linear, linear_add,
+    norm_gate_up_silu)`` (skinny_fused's or small_m_fused's), at ``rows`` tokens."""
     bf = torch.bfloat16
+    norm_linear, linear_add, norm_gate_up_silu = ops
     h, nw = torch.randn(rows, 1024, dtype=bf), torch.randn(1024, dtype=bf)
-    small_m_fused.small_m_norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
-    small_m_fused.small_m_linear_add(torch.randn(rows, 2048, dtype=bf),
-                                     torch.randn(1024, 2048, dtype=bf), h)
-    small_m_fused.small_m_norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
-    small_m_fused.small_m_linear_add(torch.randn(rows, 3072, dtype=bf),
-                                     torch.randn(1024, 3072, dtype=bf), h)
+    norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
+    linear_add(torch.randn(rows, 2048, dtype=bf), torch.randn(1024, 2048, dtype=bf), h)
+    norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
+    linear_add(torch.randn(rows, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf), h)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for rows in (1, 2):
         _decode_launches(rows)
     for rows in (4, 32):
-        _small_m_launches(rows)
+        _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
     ptxas = triton.knobs.nvidia.ptxas.path                 # the ptxas this Triton compiles with
     rows = []
     for name, cap in caps.items():

@@ -58,7 +58,7 @@ from mrv2.kernels.activation import silu_and_mul_ref
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
-from mrv2.platform import TRITON_INTERPRET
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 #: The model's decode-sized layers run these kernels: on where the skinny GEMM is on
 #: (GPU) unless ``MRV2_FUSED_DECODE=0``. Tests set it True to run them in the interpreter.
@@ -93,6 +93,34 @@ def skinny_norm_gate_up_silu_ref(x, norm_weight, eps, gate_up_weight, bias=None)
 
 
 # ------------------------------------------------------------------ the kernel
+
+@triton.jit
+def round_product(acc, acc_up, DT: tl.constexpr, GATE_UP: tl.constexpr):
+    # The fp32 product(s) -> what the unfused path holds: the GEMM output rounded to DT,
+    # then (gate_up) silu(g) rounded and its product with the rounded u rounded. fp32 out.
+    y = acc.to(DT).to(tl.float32)
+    if GATE_UP:
+        s = (y / (1.0 + tl.exp(-y))).to(DT).to(tl.float32)                  # silu(g)
+        y = (s * acc_up.to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    return y
+
+
+@triton.jit
+def store_output(y, out_ptr, residual_ptr, m, n, mask, stride_rm, stride_om,
+                 ADD_RESIDUAL: tl.constexpr):
+    # Store the fp32 [BM, BN] tile y in out's dtype, plus the residual first when asked.
+    if ADD_RESIDUAL:
+        # NOTE: in place is race-free: a program reads and writes only its own elements.
+        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
+        y = y + r.to(tl.float32)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
+_round_product_body = interpreter_body(round_product)
+_store_body = interpreter_body(store_output)
+
 
 @triton.jit
 def _skinny_fused_kernel(
@@ -197,16 +225,9 @@ def _skinny_fused_kernel(
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATE_UP:
                 acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(dt).to(tl.float32)                                            # [BM, BN]
-    if GATE_UP:
-        s = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)                  # silu(g)
-        y = (s * acc_up.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ADD_RESIDUAL:
-        # NOTE: in place is race-free: a program reads and writes only its own columns.
-        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
-        y = y + r.to(tl.float32)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt), mask=mask)
+    y = _round_product_body(acc, acc_up, dt, GATE_UP)                       # [BM, BN]
+    _store_body(y, out_ptr, residual_ptr, m, n, m_mask[:, None] & n_mask[None, :], stride_rm,
+                stride_om, ADD_RESIDUAL)
 
 
 # ------------------------------------------------------------------ launch

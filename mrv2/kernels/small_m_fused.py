@@ -40,6 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from mrv2.kernels import pdl, skinny_fused
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
+from mrv2.kernels.skinny_fused import _round_product_body, _store_body
 from mrv2.kernels.small_m_gemm import MAX_M
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
 from mrv2.platform import TRITON_INTERPRET, interpreter_body
@@ -163,16 +164,9 @@ def _small_m_fused_kernel(
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATE_UP:
             acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(dt).to(tl.float32)                                            # [BM, BN]
-    if GATE_UP:
-        s = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)                  # silu(g)
-        y = (s * acc_up.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ADD_RESIDUAL:
-        # NOTE: in place is race-free: a program reads and writes only its own elements.
-        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
-        y = y + r.to(tl.float32)
-    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], y.to(dt), mask=mask)
+    y = _round_product_body(acc, acc_up, dt, GATE_UP)                        # [BM, BN]
+    _store_body(y, out_ptr, residual_ptr, m, n, m_mask[:, None] & n_mask[None, :], stride_rm,
+                stride_om, ADD_RESIDUAL)
 
 
 def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, config):
