@@ -36,12 +36,13 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import attention, pdl, rotary, skinny_fused, small_m_fused
+from mrv2.kernels import attention, decode_attention, pdl, rotary, skinny_fused, small_m_fused
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
            (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"),
-           (small_m_fused, "_small_m_fused_kernel"))
+           (small_m_fused, "_small_m_fused_kernel"),
+           (decode_attention, "_decode_rope_attention_kernel"))
 
 
 class _Capture:
@@ -78,6 +79,10 @@ def _decode_launches(rows: int) -> None:
                            torch.full((rows,), 1000, dtype=torch.int32),
                            torch.zeros(rows, 64, dtype=torch.int32), slots, 1, 1000)
     attention.paged_attention(q, kv, md, 128 ** -0.5)
+    decode_attention.decode_rope_attention(                # the fused alternative to both
+        torch.randn(rows, 4096, dtype=bf), torch.full((rows,), 999), torch.randn(4096, 128),
+        torch.randn(128, dtype=bf), torch.randn(128, dtype=bf), 1e-6, kv, md, 128 ** -0.5,
+        16, 8)
     _gemm_launches(rows, small_m_fused.SKINNY_OPS)
 
 

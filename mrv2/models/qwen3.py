@@ -20,6 +20,7 @@ from torch import nn
 from mrv2.forward_context import get_attn_metadata
 from mrv2.kernels.activation import silu_and_mul, silu_and_mul_ref
 from mrv2.kernels.attention import paged_attention
+from mrv2.kernels.decode_attention import decode_rope_attention, use_fused_rope_attention
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import (
     fused_add_rms_norm,
@@ -259,6 +260,11 @@ class Qwen3Attention(_PackedLinears):
         md = get_attn_metadata()
         T = qkv.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if use_fused_rope_attention(qkv, md):  # decode: one kernel (MRV2_FUSED_ROPE_ATTENTION=1)
+            w = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) \
+                if self.use_qk_norm else (None, None, 0.0)
+            return decode_rope_attention(qkv, positions, self._rotary[0].cos_sin_cache, *w,
+                                         self.kv_cache, md, self.scale, H, Hkv).view(T, H * D)
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)       # views, token stride
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.

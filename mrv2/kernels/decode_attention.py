@@ -1,0 +1,312 @@
+"""Decode attention with q/k-norm, RoPE and the KV-cache write folded in: one kernel for two.
+
+A decode layer at batch 1 is ~7.5 kernels after the GEMM fusions (``skinny_fused.py``), and
+each costs a few microseconds whatever it computes: at 211 kernels a step the step is ~0.9
+ms where its bytes take 0.29 (H200, PDL on). Two of a layer's kernels only prepare the third:
+``qk_norm_rope`` normalises and rotates q and k and writes k and v into the paged cache, then
+``paged_attention`` reads them back. Here one program per (request, KV head, split):
+
+1. loads its GQA group's raw q heads from the qkv projection, applies q-norm and RoPE in
+   registers (the halves RoPE pairs up are kept as two tiles: ``q1 @ K1^T + q2 @ K2^T``);
+2. walks the cached keys before the new token, with the online softmax of ``attention.py``;
+3. the program whose key range holds the new token's position normalises and rotates its
+   k, writes k and v into the token's cache slot, and adds the token's score from registers
+   (no program reads that slot in this launch; the next step's do).
+
+Only decode steps (one query token per request, ``max_query_len == 1``); prefills, chunks and
+speculative steps keep the two kernels. The launch (split count, key tile, warps) is the
+decode table's, and the split merge is ``attention.py``'s. Numerics follow the unfused
+path: the normed and rotated q/k rounded to the activation dtype, k and v stored in the
+cache's, P rounded to V's dtype before P @ V. The new token's score and P V term are fp32
+sums of the same rounded values where the unfused path uses ``tl.dot``: not bitwise equal.
+
+NOT measured yet: the model takes it only with ``MRV2_FUSED_ROPE_ATTENTION=1`` (and on the
+GPU, or under the interpreter when tests set ``ENABLED``). It would remove 28 launches a
+decode step of Qwen3-0.6B (211 -> 183 at batch 1). NOTE before turning it on by default:
+serve's warm-up (``attention_warmup.py``) precompiles ``paged_attention``'s variants only;
+this kernel's split counts would compile inside the first steps that meet them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import attention, pdl
+from mrv2.kernels.kv_cache import write_kv_cache
+from mrv2.kernels.layernorm import row_sum
+from mrv2.kernels.pdl import GDC_CALLS
+from mrv2.kernels.rotary import qk_norm_rope_ref
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
+
+_LOG2E = 1.4426950408889634
+#: Off until a GPU job measures it: ``MRV2_FUSED_ROPE_ATTENTION=1`` on a GPU. Tests set it.
+ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
+                 and os.environ.get("MRV2_FUSED_ROPE_ATTENTION", "0") == "1")
+
+
+def use_fused_rope_attention(qkv: torch.Tensor, md: AttentionMetadata) -> bool:
+    """Whether a step takes this kernel: on, a decode step, qkv on the GPU (or interpreted).
+    Host ints only: graph- and sync-safe."""
+    return ENABLED and md.max_query_len == 1 and (qkv.is_cuda or TRITON_INTERPRET)
+
+
+def decode_rope_attention_ref(qkv, positions, cos_sin_cache, q_weight, k_weight, eps,
+                              kv_cache, md, scale, num_heads, num_kv_heads):
+    """Reference of :func:`decode_rope_attention`: ``qk_norm_rope_ref``, ``write_kv_cache``,
+    then ``paged_attention_ref`` (the two kernels it replaces, in torch). Writes the cache.
+
+    Returns:
+        ``[T, H, D]`` attention output in qkv's dtype.
+    """
+    T = qkv.shape[0]
+    d = kv_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k = qk_norm_rope_ref(q.reshape(T, num_heads, d), k.reshape(T, num_kv_heads, d),
+                            positions, cos_sin_cache, q_weight, k_weight, eps)
+    write_kv_cache(k, v.reshape(T, num_kv_heads, d), kv_cache, md.slot_mapping)
+    return attention.paged_attention_ref(q, kv_cache, md, scale)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
+               USE_NORM: tl.constexpr, DT: tl.constexpr):
+    # [R, BH] fp32 halves of R heads -> normed (rounded to DT, as the unfused norm writes
+    # them) and rotated halves, rounded to DT (as qk_norm_rope stores them).
+    if USE_NORM:
+        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(DT).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(DT).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
+
+
+@triton.jit
+def _key_tile(acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block_table_ptr,
+              qk_scale, kh, c, c_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
+              HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    # BLOCK_N cached keys from `start` (those below kv_hi) into the online softmax.
+    n = start + tl.arange(0, BLOCK_N)                                   # [BN]
+    n_ok = n < kv_hi
+    page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
+    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
+    k_mask = c_ok[:, None] & n_ok[None, :]                              # [BH, BN]
+    k_ptrs = kv_cache_ptr + slot_off[None, :] + c[:, None]              # [BH, BN]: K^T halves
+    k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    k2 = tl.load(k_ptrs + HALF, mask=k_mask, other=0.0)
+    s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
+    s = (s + tl.dot(q2, k2, input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN], log2 units
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))                               # [BM]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                     # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_mask = n_ok[:, None] & c_ok[None, :]                              # [BN, BH]
+    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + c[None, :]
+    v1 = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    v2 = tl.load(v_ptrs + HALF, mask=v_mask, other=0.0)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v1.dtype), v1, input_precision=DOT_PRECISION)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
+    return acc1, acc2, m_new, l_i
+
+
+# NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
+_norm_rope_body = interpreter_body(_norm_rope)
+_key_tile_body = interpreter_body(_key_tile)
+
+
+@triton.jit
+def _decode_rope_attention_kernel(
+    qkv_ptr, q_w_ptr, k_w_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,  # inputs
+    block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    kv_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,                         # outputs
+    qk_scale, eps,                                                            # sizes
+    stride_xt, stride_cp, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,  # strides
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_NORM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+):
+    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
+    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
+    # Program = (request, KV head x split of the keys). Request b decodes token t.
+    b = tl.program_id(0)
+    kh = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    t = tl.load(query_start_loc_ptr + b)
+    if tl.load(query_start_loc_ptr + b + 1) - t <= 0:  # graph padding: no token
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    new_pos = seq_len - 1                               # the new token's key index
+    dt = qkv_ptr.dtype.element_ty
+    c = tl.arange(0, BLOCK_HALF)                                        # [BH] half a head
+    c_ok = c < HALF
+    cs = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cp + c       # its RoPE angles
+    cos = tl.load(cs, mask=c_ok, other=0.0)[None, :]                    # [1, BH]
+    sin = tl.load(cs + HALF, mask=c_ok, other=0.0)[None, :]
+
+    # 1. The group's q heads (rows), normed and rotated, as the two halves RoPE pairs.
+    m = tl.arange(0, BLOCK_M)                                           # [BM]
+    row_ok = m < GROUP
+    head = kh * GROUP + m
+    q_ptrs = qkv_ptr + t * stride_xt + head[:, None] * (2 * HALF) + c[None, :]
+    q_mask = row_ok[:, None] & c_ok[None, :]                            # [BM, BH]
+    q1, q2 = _norm_rope_body(tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32),
+                             tl.load(q_ptrs + HALF, mask=q_mask, other=0.0).to(tl.float32),
+                             q_w_ptr, c, c_ok, cos, sin, eps, HALF, USE_NORM, dt)
+    kv_dt = kv_cache_ptr.dtype.element_ty
+    q1, q2 = q1.to(kv_dt), q2.to(kv_dt)                                 # tl.dot: one dtype
+
+    # 2. The cached keys of this split's range, below the new token.
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * tiles * BLOCK_N
+    hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+    kv_hi = tl.minimum(hi, new_pos)
+    for start in range(lo, kv_hi, BLOCK_N):
+        acc1, acc2, m_i, l_i = _key_tile_body(
+            acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block_table_ptr,
+            qk_scale, kh, c, c_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
+            HALF, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+
+    # 3. The new token, in the program whose range holds it: k-norm + RoPE, the cache
+    # write, and its score and value straight from registers.
+    if (new_pos >= lo) & (new_pos < hi):
+        k_ptrs = qkv_ptr + t * stride_xt + (NUM_Q_HEADS + kh) * (2 * HALF) + c[None, :]
+        k1, k2 = _norm_rope_body(tl.load(k_ptrs, mask=c_ok[None, :], other=0.0).to(tl.float32),
+                                 tl.load(k_ptrs + HALF, mask=c_ok[None, :],
+                                         other=0.0).to(tl.float32),
+                                 k_w_ptr, c, c_ok, cos, sin, eps, HALF, USE_NORM, dt)
+        v_ptrs = k_ptrs + NUM_KV_HEADS * (2 * HALF)
+        v1 = tl.load(v_ptrs, mask=c_ok[None, :], other=0.0)           # [1, BH]
+        v2 = tl.load(v_ptrs + HALF, mask=c_ok[None, :], other=0.0)
+        k1, k2, v1, v2 = k1.to(kv_dt), k2.to(kv_dt), v1.to(kv_dt), v2.to(kv_dt)
+        slot = tl.load(slot_mapping_ptr + t)
+        if slot >= 0:
+            dst = (kv_cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_co
+                   + kh * stride_ch + c[None, :])
+            tl.store(dst, k1, mask=c_ok[None, :])
+            tl.store(dst + HALF, k2, mask=c_ok[None, :])
+            tl.store(dst + stride_ckv, v1, mask=c_ok[None, :])
+            tl.store(dst + stride_ckv + HALF, v2, mask=c_ok[None, :])
+        s_new = (row_sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+                 + row_sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * qk_scale  # [BM]
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)                                  # [BM]
+        l_i = l_i * alpha + p_new
+        p_r = p_new.to(kv_dt).to(tl.float32)[:, None]                   # as P @ V rounds P
+        acc1 = acc1 * alpha[:, None] + p_r * v1.to(tl.float32)
+        acc2 = acc2 * alpha[:, None] + p_r * v2.to(tl.float32)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        o_ptrs = out_ptr + t * stride_ot + head[:, None] * stride_oh + c[None, :]
+        odt = out_ptr.dtype.element_ty
+        tl.store(o_ptrs, (acc1 * inv[:, None]).to(odt), mask=q_mask)
+        tl.store(o_ptrs + HALF, (acc2 * inv[:, None]).to(odt), mask=q_mask)
+    else:  # this split's unnormalised sums and (max, sum), for attention's merge kernel
+        p_ptrs = part_acc_ptr + t * stride_pt + head[:, None] * stride_ph + split * stride_ps \
+            + c[None, :]
+        tl.store(p_ptrs, acc1, mask=q_mask)
+        tl.store(p_ptrs + HALF, acc2, mask=q_mask)
+        ml_ptr = part_ml_ptr + t * stride_mt + head * stride_mh + split * stride_ms
+        tl.store(ml_ptr, m_i, mask=row_ok)
+        tl.store(ml_ptr + 1, l_i, mask=row_ok)
+
+
+def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
+                          md: AttentionMetadata, scale: float, num_heads: int,
+                          num_kv_heads: int, out: torch.Tensor | None = None, *,
+                          config: dict | None = None) -> torch.Tensor:
+    """q/k-norm + RoPE + KV write + attention of a decode step, in one kernel (Triton).
+
+    Args:
+        qkv: ``[T, (H + 2 H_kv) D]`` the qkv projection's output (raw q, k, v), last dim
+            contiguous; one token per request (``md.max_query_len == 1``).
+        positions: ``[T]`` the tokens' positions (the RoPE angles' rows).
+        cos_sin_cache: ``[max_position, D]`` fp32 (``Qwen3RotaryEmbedding.cos_sin_cache``).
+        q_weight, k_weight: ``[D]`` q/k-norm weights, or both ``None`` (Llama, Qwen2).
+        eps: the norms' epsilon.
+        kv_cache: ``[2, num_blocks, block_size, H_kv, D]`` contiguous: the tokens' k and v
+            are written at ``md.slot_mapping``.
+        md: the step's attention metadata; scale: softmax scale.
+        num_heads, num_kv_heads: H and H_kv.
+        out: optional ``[T, H, D]`` output; config: launch overrides (``num_splits``,
+            ``block_n``, ``num_warps``, ``num_stages``).
+
+    Returns:
+        ``out`` (new when not given): rows of padding tokens are left as they were.
+    """
+    T, width = qkv.shape
+    d = kv_cache.shape[-1]
+    if md.max_query_len != 1:
+        raise ValueError(f"decode_rope_attention is for decode steps (max_query_len 1), got "
+                         f"max_query_len {md.max_query_len}")
+    if width != (num_heads + 2 * num_kv_heads) * d or qkv.stride(1) != 1 or d % 2 \
+            or num_heads % num_kv_heads or kv_cache.shape[3] != num_kv_heads:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not fit {num_heads} q heads, "
+                         f"{num_kv_heads} KV heads of the cache {tuple(kv_cache.shape)}")
+    if (q_weight is None) != (k_weight is None) or not kv_cache.is_contiguous():
+        raise ValueError("q_weight and k_weight must both be given or both None, and "
+                         "kv_cache contiguous")
+    out = torch.empty(T, num_heads, d, dtype=qkv.dtype, device=qkv.device) if out is None \
+        else out
+    num_reqs = md.num_reqs
+    if T == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_half = max(16, triton.next_power_of_2(d // 2))
+    cfg = attention._pick_config(num_reqs, num_kv_heads, triton.next_power_of_2(group), 1,
+                                 md.max_seq_len, 2 * block_half)
+    cfg.update(config or {})
+    splits = cfg["num_splits"]
+    if splits > 1:
+        part_acc = qkv.new_empty(T, num_heads, splits, d, dtype=torch.float32)
+        part_ml = qkv.new_empty(T, num_heads, splits, 2, dtype=torch.float32)
+    else:  # unused by the compiled kernel
+        part_acc = part_ml = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+    use_norm = q_weight is not None
+    fp32 = qkv.dtype == torch.float32 or kv_cache.dtype == torch.float32
+    use_pdl = pdl.use_pdl(qkv.device)
+    cos_sin_cache = cos_sin_cache.contiguous()
+    opts = ({} if TRITON_INTERPRET else {"num_warps": cfg["num_warps"],
+                                          "num_stages": cfg["num_stages"]})
+    _decode_rope_attention_kernel[(num_reqs, num_kv_heads * splits)](
+        qkv, q_weight if use_norm else qkv, k_weight if use_norm else qkv, positions,
+        cos_sin_cache, md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens,
+        kv_cache, out, part_acc, part_ml,
+        scale * _LOG2E, float(eps),
+        qkv.stride(0), cos_sin_cache.stride(0), *kv_cache.stride()[:4],
+        md.block_table.stride(0), out.stride(0), out.stride(1),
+        *part_acc.stride()[:3], *part_ml.stride()[:3],
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HALF=d // 2,
+        BLOCK_HALF=block_half, USE_NORM=use_norm, PAGE_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
+        **opts, **pdl.launch_kwargs(use_pdl))
+    if splits > 1:
+        attention._merge_splits_kernel[(num_reqs, 1, num_heads)](
+            part_acc, part_ml, md.query_start_loc, out,
+            *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
+            HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(d), PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+    return out

@@ -1,0 +1,124 @@
+"""decode_rope_attention (q/k-norm + RoPE + KV write + attention in one kernel) against the
+two kernels it replaces, in torch (qk_norm_rope_ref, write_kv_cache, paged_attention_ref).
+
+Under the interpreter in fp32: a decode batch with a first token (no cached keys), contexts
+below, at and across page and key-tile boundaries, a graph padding request, GQA groups of 2
+and 4, q/k-norm on and off, 1 to 8 splits (the owner of the new token in any split); the
+cache after the call (the new slots written, nothing else touched); bad input; then the
+embedded Qwen3 with the path forced on vs off (greedy tokens).
+"""
+
+import pytest
+import torch
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2 import LLM, SamplingParams
+from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import decode_attention
+from mrv2.kernels.decode_attention import decode_rope_attention, decode_rope_attention_ref
+from mrv2.kernels.rotary import build_cos_sin_cache
+from mrv2.models import qwen3
+from mrv2.platform import DEVICE, HAS_CUDA
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _decode_batch(ctx_lens, H, Hkv, D, page=16, pad=1, seed=0, dtype=torch.float32):
+    """One decode token per request after ``ctx_lens[b]`` cached tokens, plus ``pad`` graph
+    padding requests; the cache holds random keys/values below each new token, NaN
+    elsewhere (a read the kernel should not make shows up)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + 1 for c in ctx_lens]
+    pages = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(pages) + 2
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    block_table = torch.zeros(len(seq_lens) + pad, max(pages) + 1, dtype=torch.int32)
+    kv = torch.full((2, num_blocks, page, Hkv, D), float("nan"))
+    slots = []
+    for b, (s, n) in enumerate(zip(seq_lens, pages, strict=True)):
+        ids, perm = perm[:n], perm[n:]
+        block_table[b, :n] = torch.tensor(ids, dtype=torch.int32)
+        for i in range(s - 1):
+            kv[:, ids[i // page], i % page] = torch.randn(2, Hkv, D, generator=g)
+        slots.append(ids[(s - 1) // page] * page + (s - 1) % page)
+    T = len(seq_lens)
+    qkv = torch.randn(T + pad, (H + 2 * Hkv) * D, generator=g)
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor(list(range(T + 1)) + [T] * pad, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens + [0] * pad, dtype=torch.int32),
+        block_table=block_table, slot_mapping=torch.tensor(slots + [-1] * pad),
+        max_query_len=1, max_seq_len=max(seq_lens))
+    md = AttentionMetadata(*(x.to(DEVICE) if torch.is_tensor(x) else x
+                             for x in (md.query_start_loc, md.seq_lens, md.block_table,
+                                       md.slot_mapping, md.max_query_len, md.max_seq_len)))
+    positions = torch.tensor([s - 1 for s in seq_lens] + [0] * pad)
+    norm = (1 + 0.1 * torch.randn(D, generator=g), 1 + 0.1 * torch.randn(D, generator=g))
+    return (qkv.to(DEVICE, dtype), positions.to(DEVICE), kv.to(DEVICE, dtype), md,
+            [w.to(DEVICE, dtype) for w in norm])
+
+
+CTX = [0, 5, 15, 16, 40, 100]   # a first token, in-page, a page's end, across pages and tiles
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (8, 2, 32)])
+@pytest.mark.parametrize("use_norm", [True, False])
+@pytest.mark.parametrize("cfg", [{"num_splits": 1, "block_n": 16},
+                                 {"num_splits": 3, "block_n": 16},
+                                 {"num_splits": 8, "block_n": 32},
+                                 {"num_splits": 2, "block_n": 64}])
+def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg):
+    qkv, positions, kv, md, (qw, kw) = _decode_batch(CTX, H, Hkv, D, seed=H + D)
+    cos_sin = build_cos_sin_cache(D, 256, 10000.0, DEVICE)
+    weights = (qw, kw) if use_norm else (None, None)
+    kv_ref = kv.clone()
+    ref = decode_rope_attention_ref(qkv, positions, cos_sin, *weights, 1e-6, kv_ref, md,
+                                    D ** -0.5, H, Hkv)
+    out = torch.full((qkv.shape[0], H, D), 7.0, device=DEVICE)
+    decode_rope_attention(qkv, positions, cos_sin, *weights, 1e-6, kv, md, D ** -0.5, H, Hkv,
+                          out=out, config=cfg)
+    torch.testing.assert_close(out[:len(CTX)], ref[:len(CTX)], **TOL)
+    assert (out[len(CTX):] == 7.0).all()                     # the padding row is untouched
+    # the new tokens' slots hold their rotated keys and values; every other slot as before
+    torch.testing.assert_close(kv.nan_to_num(123.0), kv_ref.nan_to_num(123.0), **TOL)
+
+
+def test_bad_input_raises_before_work():
+    qkv, positions, kv, md, (qw, kw) = _decode_batch([3, 4], 4, 2, 16)
+    cos_sin = build_cos_sin_cache(16, 64, 10000.0, DEVICE)
+    import dataclasses
+    with pytest.raises(ValueError, match="max_query_len"):
+        decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, kv,
+                              dataclasses.replace(md, max_query_len=2), 0.25, 4, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_rope_attention(qkv[:, :-16], positions, cos_sin, qw, kw, 1e-6, kv, md, 0.25,
+                              4, 2)
+    with pytest.raises(ValueError, match="both"):
+        decode_rope_attention(qkv, positions, cos_sin, qw, None, 1e-6, kv, md, 0.25, 4, 2)
+
+
+def test_off_by_default_and_only_for_decode(monkeypatch):
+    qkv, _, _, md, _ = _decode_batch([3], 4, 2, 16)
+    import dataclasses
+    assert not decode_attention.use_fused_rope_attention(qkv, md) or HAS_CUDA
+    monkeypatch.setattr(decode_attention, "ENABLED", True)
+    assert decode_attention.use_fused_rope_attention(qkv, md)
+    assert not decode_attention.use_fused_rope_attention(
+        qkv, dataclasses.replace(md, max_query_len=2))
+
+
+def test_llm_greedy_fused_rope_attention_on_equals_off(monkeypatch):
+    """End to end, eager fp32: 3 prompts, a few decode steps, the path on vs off."""
+    llm = LLM(max_model_len=64, max_num_seqs=3, dtype="float32", enforce_eager=True)
+    prompts = ["ROMEO:", "JULIET:\nO Romeo,", "First Citizen:"]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
+    calls = []
+    orig = decode_attention.decode_rope_attention
+    monkeypatch.setattr(qwen3, "decode_rope_attention",
+                        lambda *a, **k: calls.append(1) or orig(*a, **k))
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode_attention, "ENABLED", on)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                  use_tqdm=False)]
+        assert bool(calls) == on
+    assert outs[True] == outs[False]
