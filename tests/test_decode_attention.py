@@ -122,3 +122,40 @@ def test_llm_greedy_fused_rope_attention_on_equals_off(monkeypatch):
                                                                   use_tqdm=False)]
         assert bool(calls) == on
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="bf16 and CUDA graphs need the GPU")
+@pytest.mark.parametrize("ctx", [[0, 100, 1000], [7] * 32])
+def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx):
+    """Qwen3-0.6B's attention shape (16 q / 8 KV heads, d 128), bf16, the decode table's
+    launch (splits as a batch of 3 or 32 gets them): against qk_norm_rope + paged_attention
+    (compiled), and a CUDA-graph replay (PDL on by default) bitwise equal to eager."""
+    from mrv2.kernels.attention import paged_attention
+    from mrv2.kernels.rotary import qk_norm_rope
+    qkv, positions, kv, md, (qw, kw) = _decode_batch(ctx, 16, 8, 128, seed=len(ctx),
+                                                     dtype=torch.bfloat16)
+    cos_sin = build_cos_sin_cache(128, 2048, 1e6, "cuda")
+    T = qkv.shape[0]
+    kv_two = kv.clone()
+    q, k, v = qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1)
+    q, _ = qk_norm_rope(q.view(T, 16, 128), k.view(T, 8, 128), positions, cos_sin, qw, kw,
+                        1e-6, v=v.view(T, 8, 128), kv_cache=kv_two, slot_mapping=md.slot_mapping)
+    two = paged_attention(q, kv_two, md, 128 ** -0.5)
+    kv_one = kv.clone()
+    one = decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, kv_one, md,
+                                128 ** -0.5, 16, 8)
+    n = len(ctx)
+    torch.testing.assert_close(one[:n].float(), two[:n].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv_one.nan_to_num(9.0), kv_two.nan_to_num(9.0), rtol=1e-2,
+                               atol=1e-2)                 # FMA contraction may differ
+    kv_g = kv.clone()
+    out = torch.empty_like(one)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, kv_g, md, 128 ** -0.5,
+                              16, 8, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:n], one[:n])

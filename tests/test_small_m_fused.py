@@ -165,3 +165,42 @@ def test_gpu_bf16_qwen3_shapes(M):
     r = x.clone()
     torch.testing.assert_close(small_m_linear_add(act, down, r),
                                skinny_linear_add_ref(act, down, x.clone()), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need the GPU")
+@pytest.mark.parametrize("M", [4, 32])
+def test_gpu_chain_in_a_cuda_graph_pdl_on_equals_off(M, monkeypatch):
+    """Two fused layers at the Qwen3-0.6B shapes, bf16, captured in a CUDA graph: with PDL
+    (the default on Hopper) bitwise what they give without it."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [(1 + 0.1 * torch.randn(1024, generator=g, **kw),
+           torch.randn(4096, 1024, generator=g, **kw) * 0.05,
+           torch.randn(1024, 2048, generator=g, **kw) * 0.05,
+           torch.randn(6144, 1024, generator=g, **kw) * 0.05,
+           torch.randn(1024, 3072, generator=g, **kw) * 0.05) for _ in range(2)]
+    h0 = torch.randn(M, 1024, generator=g, **kw)
+
+    def chain(h):
+        for nw, qkv, o, gate_up, down in ws:
+            q = small_m_norm_linear(h, nw, 1e-6, qkv)
+            small_m_linear_add(q[:, :2048], o, h)
+            small_m_linear_add(small_m_norm_gate_up_silu(h, nw, 1e-6, gate_up), down, h)
+        return h
+
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "PDL_ENABLED", on)
+        h = h0.clone()
+        chain(h)                                            # compile
+        h.copy_(h0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(h)
+        h.copy_(h0)
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[on] = h.clone()
+    assert torch.equal(outs[True], outs[False])
