@@ -106,6 +106,41 @@ def test_off_by_default_and_only_for_decode(monkeypatch):
         qkv, dataclasses.replace(md, max_query_len=2))
 
 
+@pytest.mark.parametrize("which", ["embedded", "stories260K", "qwen2_bias"])
+def test_model_decode_logits_on_equals_off(which, monkeypatch, shared_data):
+    """The embedded Qwen3 (q/k-norm), the stories260K Llama (head_dim 8: half a head is 4
+    of the kernel's 16 columns) and a Qwen2-style model with q/k/v biases (no q/k-norm):
+    a decode step's logits with the path on vs off (after a 4-token prefill, off)."""
+    import transformers
+    from test_skinny_fused import _decode_logits
+
+    from mrv2.models.loader import DEFAULT_MODEL_DIR, load_model
+    if which == "embedded":
+        model, config = load_model(DEFAULT_MODEL_DIR, dtype="float32")
+    elif which == "stories260K":
+        model, config = load_model(shared_data / "stories260K" / "hf-llama", dtype="float32")
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=300, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+            max_position_embeddings=64, attention_bias=True)
+        model = qwen3.Qwen3ForCausalLM(config).to(DEVICE).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+    calls = []
+    orig = decode_attention.decode_rope_attention
+    monkeypatch.setattr(qwen3, "decode_rope_attention",
+                        lambda *a, **k: calls.append(1) or orig(*a, **k))
+    for ids in ([3], [3, 9]):
+        logits = {}
+        for on in (False, True):
+            monkeypatch.setattr(decode_attention, "ENABLED", on)
+            logits[on] = _decode_logits(model, config, ids, 4, False, monkeypatch)
+        torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2 * config.num_hidden_layers          # each layer, each decode
+
+
 def test_llm_greedy_fused_rope_attention_on_equals_off(monkeypatch):
     """End to end, eager fp32: 3 prompts, a few decode steps, the path on vs off."""
     llm = LLM(max_model_len=64, max_num_seqs=3, dtype="float32", enforce_eager=True)
