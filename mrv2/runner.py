@@ -125,9 +125,18 @@ class ModelRunner(RunnerInterface):
         variants = launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
                                    self.max_num_reqs, self.max_model_len,
                                    max_query_len=max(32, 1 + (self.spec.k if self.spec else 0)))
-        return precompile(self.kv_caches[0], dims.num_heads,
-                          self.block_tables.input_block_table.shape[1], variants,
-                          progress=progress)
+        width = self.block_tables.input_block_table.shape[1]
+        n = precompile(self.kv_caches[0], dims.num_heads, width, variants, progress=progress)
+        from mrv2.kernels import decode_attention
+        if decode_attention.ENABLED:  # the decode steps' fused RoPE + attention kernel
+            from mrv2.kernels.attention_warmup import precompile_decode_rope
+            from mrv2.models.qwen3 import rope_inputs
+            n += precompile_decode_rope(
+                self.kv_caches[0], dims.num_heads, width,
+                launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                self.max_num_reqs, self.max_model_len, max_query_len=1),
+                *rope_inputs(self.model_state.model), self.kv_caches[0].dtype)
+        return n
 
     def _dummy_batch(self, size) -> InputBatch:
         """An all-padding batch of a graph key's shape in the static buffers."""

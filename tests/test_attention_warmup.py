@@ -56,3 +56,44 @@ def test_precompile_launches_each_variant_once_and_writes_nothing(monkeypatch):
     assert precompile(kv_cache, 4, 3, variants) == len(variants) == len(seen)
     assert seen == variants
     assert torch.equal(kv_cache, before)
+
+
+def test_precompile_decode_rope_launches_each_decode_variant_and_writes_nothing(monkeypatch):
+    """With the fused decode RoPE + attention kernel on, serve's warm-up also compiles its
+    decode launches: one per ``launch_variants(..., max_query_len=1)`` entry, cache untouched."""
+    from mrv2.kernels import decode_attention
+    from mrv2.kernels.attention_warmup import precompile_decode_rope
+    from mrv2.kernels.rotary import build_cos_sin_cache
+
+    g = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g)        # [2, blocks, page, Hkv, D]
+    before = kv_cache.clone()
+    variants = launch_variants(4, 2, 32, max_num_reqs=3, max_model_len=48, max_query_len=1)
+    seen = []
+    real = decode_attention.decode_rope_attention
+
+    def spy(qkv, positions, cos_sin, qw, kw, eps, cache, md, scale, h, hkv, **kw_):
+        seen.append(kw_["config"])
+        assert cache is kv_cache and qkv.shape == (1, (4 + 2 * 2) * 32) and (h, hkv) == (4, 2)
+        return real(qkv, positions, cos_sin, qw, kw, eps, cache, md, scale, h, hkv, **kw_)
+
+    monkeypatch.setattr(decode_attention, "decode_rope_attention", spy)
+    cos_sin = build_cos_sin_cache(32, 48, 10000.0)
+    assert precompile_decode_rope(kv_cache, 4, 3, variants, cos_sin, torch.ones(32)) \
+        == len(variants) == len(seen)
+    assert seen == variants and torch.equal(kv_cache, before)
+
+
+def test_runner_precompile_covers_the_fused_decode_kernel_when_on(monkeypatch):
+    from mrv2 import LLM
+    from mrv2.kernels import attention_warmup, decode_attention
+
+    llm = LLM(max_model_len=64, max_num_seqs=2, dtype="float32", enforce_eager=True)
+    calls = []
+    monkeypatch.setattr(attention_warmup, "precompile",
+                        lambda *a, **k: calls.append("paged") or 5)
+    monkeypatch.setattr(attention_warmup, "precompile_decode_rope",
+                        lambda *a, **k: calls.append("rope") or 2)
+    assert llm.runner.precompile_attention() == 5 and calls == ["paged"]
+    monkeypatch.setattr(decode_attention, "ENABLED", True)
+    assert llm.runner.precompile_attention() == 7 and calls == ["paged", "paged", "rope"]

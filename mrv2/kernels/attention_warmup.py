@@ -109,3 +109,39 @@ def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
         attention.paged_attention(q, kv_cache, md, head_dim ** -0.5, out=torch.empty_like(q),
                                   config=cfg)
     return len(variants)
+
+
+def precompile_decode_rope(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
+                           variants: list[dict], cos_sin_cache: torch.Tensor,
+                           norm_weight: torch.Tensor | None, dtype: torch.dtype | None = None
+                           ) -> int:
+    """Launch ``decode_attention.decode_rope_attention`` once per decode variant on a
+    one-token dummy (slot -1: nothing written), for models whose decode steps take it
+    (``MRV2_FUSED_ROPE_ATTENTION=1``).
+
+    Args:
+        kv_cache, num_heads, block_table_width, dtype: as :func:`precompile`.
+        variants: ``launch_variants(..., max_query_len=1)``: the decode launches.
+        cos_sin_cache: the model's RoPE table (its row stride is specialised on).
+        norm_weight: the q-norm weight (its dtype), or ``None`` for a model without q/k-norm.
+
+    Returns:
+        How many launches were made.
+    """
+    from mrv2.kernels import decode_attention
+
+    device, head_dim, num_kv_heads = kv_cache.device, kv_cache.shape[-1], kv_cache.shape[3]
+    dtype = dtype or kv_cache.dtype
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
+        block_table=torch.zeros(1, block_table_width, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+        max_query_len=1, max_seq_len=1)
+    qkv = torch.zeros(1, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+    positions = torch.zeros(1, dtype=torch.int64, device=device)
+    for cfg in variants:
+        decode_attention.decode_rope_attention(
+            qkv, positions, cos_sin_cache, norm_weight, norm_weight, 1e-6, kv_cache, md,
+            head_dim ** -0.5, num_heads, num_kv_heads, config=cfg)
+    return len(variants)

@@ -22,9 +22,9 @@ sums of the same rounded values where the unfused path uses ``tl.dot``: not bitw
 
 NOT measured yet: the model takes it only with ``MRV2_FUSED_ROPE_ATTENTION=1`` (and on the
 GPU, or under the interpreter when tests set ``ENABLED``). It would remove 28 launches a
-decode step of Qwen3-0.6B (211 -> 183 at batch 1). NOTE before turning it on by default:
-serve's warm-up (``attention_warmup.py``) precompiles ``paged_attention``'s variants only;
-this kernel's split counts would compile inside the first steps that meet them.
+decode step of Qwen3-0.6B (211 -> 183 at batch 1). When it is on, serve's warm-up
+(``Runner.precompile_attention``) also compiles its decode launches
+(``attention_warmup.precompile_decode_rope``).
 """
 
 from __future__ import annotations

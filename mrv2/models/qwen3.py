@@ -468,6 +468,13 @@ class Qwen3ForCausalLM(nn.Module):
         return model_dims(self.config)
 
 
+def rope_inputs(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(cos_sin_cache, q_norm weight or None)`` of the model's first attention layer: what
+    the fused decode RoPE + attention kernel specialises on (its serve precompile)."""
+    attn = next(m for m in model.modules() if isinstance(m, Qwen3Attention))
+    return attn._rotary[0].cos_sin_cache, attn.q_norm.weight if attn.use_qk_norm else None
+
+
 def bind_kv_cache(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
     """Give layer ``i``'s attention the cache ``kv_caches[i]`` (shape :func:`kv_cache_shape`)."""
     attns = [m for m in model.modules() if isinstance(m, Qwen3Attention)]
