@@ -303,6 +303,31 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     return cfg
 
 
+def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(part_acc [T, H, splits, D], part_ml [T, H, splits, 2])`` for the split parts
+    of an attention launch writing ``out [T, H, D]`` (empty with one split: unused)."""
+    if splits <= 1:
+        empty = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+        return empty, empty
+    T, H, D = out.shape
+    return (out.new_empty(T, H, splits, D, dtype=torch.float32),
+            out.new_empty(T, H, splits, 2, dtype=torch.float32))
+
+
+def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, md: AttentionMetadata,
+                 out: torch.Tensor, use_pdl: bool) -> None:
+    """Launch ``_merge_splits_kernel``: the parts in ``split_buffers``' tensors into ``out``."""
+    splits, head_dim = part_acc.shape[2], out.shape[2]
+    _merge_splits_kernel[(md.num_reqs, md.max_query_len, out.shape[1])](
+        part_acc, part_ml, md.query_start_loc,
+        out,
+        *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
+        HEAD_DIM=head_dim, NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PDL=use_pdl, **pdl.launch_kwargs(use_pdl),
+    )
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                     scale: float, out: torch.Tensor | None = None, *,
                     num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
@@ -347,11 +372,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
     cfg.update(config or {})
     splits = cfg["num_splits"]
 
-    if splits > 1:
-        part_acc = q.new_empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32)
-        part_ml = q.new_empty(num_tokens, num_heads, splits, 2, dtype=torch.float32)
-    else:  # unused by the compiled kernel
-        part_acc = part_ml = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+    part_acc, part_ml = split_buffers(out, splits)
     kv_fold = cfg["kv_fold"]
     fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32
     grid = (num_reqs, triton.cdiv(md.max_query_len, cfg["block_q"]),
@@ -372,12 +393,5 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:
-        _merge_splits_kernel[(num_reqs, md.max_query_len, num_heads)](
-            part_acc, part_ml, md.query_start_loc,
-            out,
-            *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
-            HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, PDL=use_pdl,
-            **pdl.launch_kwargs(use_pdl),
-        )
+        merge_splits(part_acc, part_ml, md, out, use_pdl)
     return out

@@ -75,6 +75,16 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_re
     return list(seen.values())
 
 
+def _dummy_metadata(device: torch.device, block_table_width: int) -> AttentionMetadata:
+    """One request of one token at position 0, its KV slot -1 (nothing is written)."""
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
+        block_table=torch.zeros(1, block_table_width, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+        max_query_len=1, max_seq_len=1)
+
+
 def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
                variants: list[dict], dtype: torch.dtype | None = None,
                progress: bool = False) -> int:
@@ -94,12 +104,7 @@ def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
     """
     device, head_dim = kv_cache.device, kv_cache.shape[-1]
     dtype = dtype or kv_cache.dtype
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
-        block_table=torch.zeros(1, block_table_width, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
-        max_query_len=1, max_seq_len=1)
+    md = _dummy_metadata(device, block_table_width)
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)  # [1, H, D]
     it = variants
     if progress:
@@ -132,12 +137,7 @@ def precompile_decode_rope(kv_cache: torch.Tensor, num_heads: int, block_table_w
 
     device, head_dim, num_kv_heads = kv_cache.device, kv_cache.shape[-1], kv_cache.shape[3]
     dtype = dtype or kv_cache.dtype
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
-        block_table=torch.zeros(1, block_table_width, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
-        max_query_len=1, max_seq_len=1)
+    md = _dummy_metadata(device, block_table_width)
     qkv = torch.zeros(1, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
     positions = torch.zeros(1, dtype=torch.int64, device=device)
     for cfg in variants:

@@ -279,11 +279,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
                                  md.max_seq_len, 2 * block_half)
     cfg.update(config or {})
     splits = cfg["num_splits"]
-    if splits > 1:
-        part_acc = qkv.new_empty(T, num_heads, splits, d, dtype=torch.float32)
-        part_ml = qkv.new_empty(T, num_heads, splits, 2, dtype=torch.float32)
-    else:  # unused by the compiled kernel
-        part_acc = part_ml = out.new_empty(0, 0, 0, 0, dtype=torch.float32)
+    part_acc, part_ml = attention.split_buffers(out, splits)
     use_norm = q_weight is not None
     fp32 = qkv.dtype == torch.float32 or kv_cache.dtype == torch.float32
     use_pdl = pdl.use_pdl(qkv.device)
@@ -304,9 +300,5 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1:
-        attention._merge_splits_kernel[(num_reqs, 1, num_heads)](
-            part_acc, part_ml, md.query_start_loc, out,
-            *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
-            HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=triton.next_power_of_2(d), PDL=use_pdl, **pdl.launch_kwargs(use_pdl))
+        attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
     return out
