@@ -108,7 +108,7 @@ def _fused_with(ops):
     return run
 
 
-_fused = _fused_with((skinny_norm_linear, skinny_linear_add, skinny_norm_gate_up_silu))
+_fused = _fused_with(small_m_fused.SKINNY_OPS)
 
 
 def _with_pdl(run, on: bool):

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import attention
+from mrv2.kernels import attention, decode_attention
 
 
 def _contexts(max_model_len: int) -> list[int]:
@@ -133,8 +133,6 @@ def precompile_decode_rope(kv_cache: torch.Tensor, num_heads: int, block_table_w
     Returns:
         How many launches were made.
     """
-    from mrv2.kernels import decode_attention
-
     device, head_dim, num_kv_heads = kv_cache.device, kv_cache.shape[-1], kv_cache.shape[3]
     dtype = dtype or kv_cache.dtype
     md = _dummy_metadata(device, block_table_width)
