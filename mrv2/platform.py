@@ -39,6 +39,28 @@ if not HAS_CUDA:
 #: True when Triton kernels run in the interpreter (slow: keep grids small).
 TRITON_INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+
+def env_switch(name: str, default: bool, environ=None) -> bool:
+    """An on/off environment switch: ``1`` on, ``0`` off, unset gives ``default``.
+
+    Args:
+        name: the variable (``MRV2_PDL``, ``MRV2_SMALL_M_FUSED``, ...).
+        default: the value when it is unset.
+        environ: the mapping to read (default ``os.environ``).
+
+    Raises:
+        ValueError: the variable holds anything but ``0`` or ``1``, so a typo cannot
+            silently leave a path in its default state.
+    """
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        on_off = "on" if default else "off"
+        raise ValueError(f"{name} must be 0 (off) or 1 (on; unset: {on_off}), got {value!r}")
+    return value == "1"
+
+
 #: The Triton versions this code is tested with (pyproject.toml pins the same range).
 SUPPORTED_TRITON = ">=3.6,<3.10"
 

@@ -28,7 +28,7 @@ from mrv2.kernels.skinny_fused import (
     skinny_norm_linear,
     skinny_norm_linear_ref,
 )
-from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
+from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET, env_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +43,15 @@ def test_switch_reads_the_env_and_is_off_under_the_interpreter():
             pdl.pdl_switch({"MRV2_PDL": bad}, interpret=False)
     if TRITON_INTERPRET:
         assert pdl.PDL_ENABLED is False and not pdl.GDC_CALLS
+
+
+def test_env_switch_defaults_and_rejects_typos():
+    # the one reader of mrv2's 0/1 switches (MRV2_PDL, MRV2_SMALL_M_FUSED, ...)
+    assert env_switch("MRV2_X", True, {}) and not env_switch("MRV2_X", False, {})
+    assert env_switch("MRV2_X", False, {"MRV2_X": "1"})
+    assert not env_switch("MRV2_X", True, {"MRV2_X": "0"})
+    with pytest.raises(ValueError, match=r"MRV2_X must be 0 \(off\) or 1 \(on; unset: on\)"):
+        env_switch("MRV2_X", True, {"MRV2_X": "yes"})
 
 
 def test_use_pdl_never_on_the_cpu(monkeypatch):

@@ -20,16 +20,16 @@ path: the normed and rotated q/k rounded to the activation dtype, k and v stored
 cache's, P rounded to V's dtype before P @ V. The new token's score and P V term are fp32
 sums of the same rounded values where the unfused path uses ``tl.dot``: not bitwise equal.
 
-NOT measured yet: the model takes it only with ``MRV2_FUSED_ROPE_ATTENTION=1`` (and on the
-GPU, or under the interpreter when tests set ``ENABLED``). It would remove 28 launches a
-decode step of Qwen3-0.6B (211 -> 183 at batch 1). When it is on, serve's warm-up
+On by default since job AB (session 7, H200, Qwen3-0.6B shape, ``bench latency``, one job);
+``MRV2_FUSED_ROPE_ATTENTION=0`` turns it off. TPOT off / on at batch 1, 4, 8, 16, 32: 0.894 /
+0.902, 1.311 / 1.290, 1.293 / 1.241, 1.412 / 1.324, 1.502 / 1.425 ms. It removes 28 launches a
+decode step of Qwen3-0.6B (211 -> 183 at batch 1). Serve's warm-up
 (``Runner.precompile_attention``) also compiles its decode launches
 (``attention_warmup.precompile_decode_rope``).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -42,12 +42,12 @@ from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.rotary import qk_norm_rope_ref
-from mrv2.platform import TRITON_INTERPRET, interpreter_body
+from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 _LOG2E = 1.4426950408889634
-#: Off until a GPU job measures it: ``MRV2_FUSED_ROPE_ATTENTION=1`` on a GPU. Tests set it.
+#: On a GPU unless ``MRV2_FUSED_ROPE_ATTENTION=0``; never under the interpreter (tests set it).
 ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
-                 and os.environ.get("MRV2_FUSED_ROPE_ATTENTION", "0") == "1")
+                 and env_switch("MRV2_FUSED_ROPE_ATTENTION", True))
 
 
 def use_fused_rope_attention(qkv: torch.Tensor, md: AttentionMetadata) -> bool:

@@ -65,7 +65,7 @@ from collections.abc import Mapping
 import torch
 import triton.language as tl
 
-from mrv2.platform import TRITON_INTERPRET
+from mrv2.platform import TRITON_INTERPRET, env_switch
 
 
 def pdl_switch(environ: Mapping[str, str], interpret: bool) -> bool:
@@ -75,10 +75,7 @@ def pdl_switch(environ: Mapping[str, str], interpret: bool) -> bool:
     Raises:
         ValueError: ``MRV2_PDL`` is set to anything but ``0`` or ``1``.
     """
-    value = environ.get("MRV2_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"MRV2_PDL must be 0 (off) or 1 (on, the default), got {value!r}")
-    return not interpret and value == "1"
+    return env_switch("MRV2_PDL", True, environ) and not interpret
 
 
 #: On unless ``MRV2_PDL=0``, on a compiling Triton; tests set it to force PDL on or off.

@@ -21,16 +21,26 @@ the unfused path writes (the normed x, each product, SiLU's result) rounded to t
 activation dtype before use. The torch references are ``skinny_fused``'s. With PDL (Hopper,
 ``mrv2.kernels.pdl``) a program loads its first weight tile(s) before ``gdc_wait``.
 
-NOT measured yet, so the model takes it only with ``MRV2_SMALL_M_FUSED=1`` (and on the GPU,
-or under the interpreter when tests set ``ENABLED``). Job V measured the unfused stream at
-M = 32 (28-layer chain, best launches): 715 us against cuBLAS's 661; what this adds is the
-0.13 ms of norm and SiLU kernels it removes and the PDL overlap of every product. The first
-GPU job decides (``MRV2_SMALL_M_FUSED=1 python -m mrv2 bench latency``).
+On by default since job AB (session 7, H200, Qwen3-0.6B shape, ``bench latency``, one job),
+for ``MODEL_MIN_M``-``MODEL_MAX_M`` = 3-16 rows; ``MRV2_SMALL_M_FUSED=0`` turns it off. TPOT
+with it off / on:
+
+=====  ========  ========
+batch  off (ms)  on (ms)
+=====  ========  ========
+4      1.311     1.145
+8      1.293     1.211
+16     1.412     1.201
+32     1.502     1.642
+=====  ========  ========
+
+At 32 rows it loses (the 28-layer GEMM chain, ``scripts/bench_skinny_fused.py --rows``: 1,013
+us with PDL against cuBLAS's 873; at 4 and 8 rows 732 and 718 against 951 and 838), so from 17
+rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 64 rows.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -43,18 +53,20 @@ from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_fused import _round_product_body, _store_body
 from mrv2.kernels.small_m_gemm import MAX_M
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
-from mrv2.platform import TRITON_INTERPRET, interpreter_body
+from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
 MODEL_MIN_M = skinny_fused.MODEL_MAX_M + 1
-#: Off until a GPU job measures it: ``MRV2_SMALL_M_FUSED=1`` on a GPU. Tests set it True.
+#: The most rows the model sends here: at 32 cuBLAS wins (job AB, above).
+MODEL_MAX_M = 16
+#: On a GPU unless ``MRV2_SMALL_M_FUSED=0``; never under the interpreter (tests set it True).
 ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
-                 and os.environ.get("MRV2_SMALL_M_FUSED", "0") == "1")
+                 and env_switch("MRV2_SMALL_M_FUSED", True))
 
 
 def use_small_m_fused(x: torch.Tensor) -> bool:
     """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
-    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MAX_M
+    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MODEL_MAX_M
             and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET))
 
 
@@ -273,7 +285,7 @@ SMALL_M_OPS = (small_m_norm_linear, small_m_linear_add, small_m_norm_gate_up_sil
 
 def fused_decode_ops(h: torch.Tensor) -> tuple | None:
     """The fused decode GEMMs a forward over ``h [T, hidden]`` takes, or ``None`` (the
-    unfused layers): skinny_fused's for 1-2 rows, this module's for 3-64 when it is on.
+    unfused layers): skinny_fused's for 1-2 rows, this module's for 3-16 when it is on.
     Reads only shapes: graph- and sync-safe."""
     if skinny_fused.use_fused_decode(h):
         return SKINNY_OPS

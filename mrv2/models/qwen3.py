@@ -260,7 +260,7 @@ class Qwen3Attention(_PackedLinears):
         md = get_attn_metadata()
         T = qkv.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if use_fused_rope_attention(qkv, md):  # decode: one kernel (MRV2_FUSED_ROPE_ATTENTION=1)
+        if use_fused_rope_attention(qkv, md):  # decode: one kernel (MRV2_FUSED_ROPE_ATTENTION=0: two)
             w = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) \
                 if self.use_qk_norm else (None, None, 0.0)
             return decode_rope_attention(qkv, positions, self._rotary[0].cos_sin_cache, *w,
@@ -381,8 +381,8 @@ class Qwen3Model(nn.Module):
     A decode-sized forward (at most ``MODEL_MAX_M`` tokens on the GPU, where the linears
     take the skinny GEMM; ``MRV2_FUSED_DECODE=0`` turns it off) runs every layer's
     ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py);
-    with ``MRV2_SMALL_M_FUSED=1`` (unmeasured, off) 3-64 tokens take the tensor-core
-    version of the same kernels (mrv2/kernels/small_m_fused.py).
+    and 3-16 tokens take the tensor-core version of the same kernels
+    (mrv2/kernels/small_m_fused.py; ``MRV2_SMALL_M_FUSED=0`` turns it off).
 
     Args: as :class:`Qwen3ForCausalLM`.
     """
