@@ -11,6 +11,7 @@ import torch
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels import attention
 from mrv2.kernels.attention_warmup import launch_variants, precompile
+from mrv2.platform import DEVICE
 
 
 @pytest.mark.parametrize("dims", [(16, 8, 128, 256, 2048), (4, 2, 64, 24, 700),
@@ -41,7 +42,7 @@ def test_precompile_launches_each_variant_once_and_writes_nothing(monkeypatch):
     """The dummy problem goes through paged_attention with each variant's config; the
     cache is only read."""
     g = torch.Generator().manual_seed(0)
-    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g)        # [2, blocks, page, Hkv, D]
+    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g).to(DEVICE)  # [2, blocks, page, Hkv, D]
     before = kv_cache.clone()
     variants = launch_variants(4, 2, 32, max_num_reqs=3, max_model_len=48)
     seen = []
@@ -66,7 +67,7 @@ def test_precompile_decode_rope_launches_each_decode_variant_and_writes_nothing(
     from mrv2.kernels.rotary import build_cos_sin_cache
 
     g = torch.Generator().manual_seed(1)
-    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g)        # [2, blocks, page, Hkv, D]
+    kv_cache = torch.randn(2, 3, 16, 2, 32, generator=g).to(DEVICE)  # [2, blocks, page, Hkv, D]
     before = kv_cache.clone()
     variants = launch_variants(4, 2, 32, max_num_reqs=3, max_model_len=48, max_query_len=1)
     seen = []
@@ -78,8 +79,8 @@ def test_precompile_decode_rope_launches_each_decode_variant_and_writes_nothing(
         return real(qkv, positions, cos_sin, qw, kw, eps, cache, md, scale, h, hkv, **kw_)
 
     monkeypatch.setattr(decode_attention, "decode_rope_attention", spy)
-    cos_sin = build_cos_sin_cache(32, 48, 10000.0)
-    assert precompile_decode_rope(kv_cache, 4, 3, variants, cos_sin, torch.ones(32)) \
+    cos_sin = build_cos_sin_cache(32, 48, 10000.0).to(DEVICE)
+    assert precompile_decode_rope(kv_cache, 4, 3, variants, cos_sin, torch.ones(32, device=DEVICE)) \
         == len(variants) == len(seen)
     assert seen == variants and torch.equal(kv_cache, before)
 
@@ -94,6 +95,7 @@ def test_runner_precompile_covers_the_fused_decode_kernel_when_on(monkeypatch):
                         lambda *a, **k: calls.append("paged") or 5)
     monkeypatch.setattr(attention_warmup, "precompile_decode_rope",
                         lambda *a, **k: calls.append("rope") or 2)
+    monkeypatch.setattr(decode_attention, "ENABLED", False)   # NOTE: on a GPU it is on
     assert llm.runner.precompile_attention() == 5 and calls == ["paged"]
     monkeypatch.setattr(decode_attention, "ENABLED", True)
     assert llm.runner.precompile_attention() == 7 and calls == ["paged", "paged", "rope"]

@@ -8,6 +8,8 @@ cache after the call (the new slots written, nothing else touched); bad input; t
 embedded Qwen3 with the path forced on vs off (greedy tokens).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from mrv2.kernels import decode_attention
 from mrv2.kernels.decode_attention import decode_rope_attention, decode_rope_attention_ref
 from mrv2.kernels.rotary import build_cos_sin_cache
 from mrv2.models import qwen3
-from mrv2.platform import DEVICE, HAS_CUDA
+from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -96,10 +98,12 @@ def test_bad_input_raises_before_work():
         decode_rope_attention(qkv, positions, cos_sin, qw, None, 1e-6, kv, md, 0.25, 4, 2)
 
 
-def test_off_by_default_and_only_for_decode(monkeypatch):
+def test_on_by_default_on_a_gpu_and_only_for_decode(monkeypatch):
     qkv, _, _, md, _ = _decode_batch([3], 4, 2, 16)
     import dataclasses
-    assert not decode_attention.use_fused_rope_attention(qkv, md) or HAS_CUDA
+    # on by default on a GPU (MRV2_FUSED_ROPE_ATTENTION=0 turns it off), never interpreted
+    assert decode_attention.ENABLED == (HAS_CUDA and not TRITON_INTERPRET
+                                        and os.environ.get("MRV2_FUSED_ROPE_ATTENTION") != "0")
     monkeypatch.setattr(decode_attention, "ENABLED", True)
     assert decode_attention.use_fused_rope_attention(qkv, md)
     assert not decode_attention.use_fused_rope_attention(

@@ -30,7 +30,6 @@ decode step of Qwen3-0.6B (211 -> 183 at batch 1). Serve's warm-up
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -41,7 +41,6 @@ rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 64 rows.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
