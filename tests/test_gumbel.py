@@ -10,7 +10,15 @@ from scipy import stats
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.gumbel import gumbel_noise, gumbel_sample, gumbel_sample_ref
-from mrv2.kernels.gumbel_rng import _log_ref, gumbel_noise_ref, hash_words_ref, words_to_gumbel_ref
+from mrv2.kernels.gumbel_rng import (
+    _log_ref,
+    _mix32_ref,
+    _row_keys_ref,
+    gumbel_noise_ref,
+    hash_words_ref,
+    key_words_ref,
+    words_to_gumbel_ref,
+)
 from mrv2.platform import DEVICE
 
 _on_device = on_device
@@ -113,6 +121,89 @@ def test_hash_words_look_uniform():
         assert stats.chisquare(counts).pvalue > 1e-3
         bits = ((word[..., None] >> torch.arange(32)) & 1).double().mean(dim=(0, 1))
         assert (bits - 0.5).abs().max() < 0.01
+
+
+_PHI, _V_QWEN = 0x9E3779B1, 151_936
+
+
+def _weyl(v: np.ndarray) -> np.ndarray:
+    """x = v * 0x9E3779B1 mod 2**32, the hash's input per vocab id (uint32)."""
+    return (v.astype(np.uint64) * _PHI & 0xFFFFFFFF).astype(np.uint32)
+
+
+def test_weyl_inputs_of_a_vocabulary_differ_in_at_least_four_bits():
+    """The docstring's reason one finaliser round suffices: no two of the first 151,936 ids
+    have inputs x within 3 bits of each other (so no weak small differential of the hash)."""
+    import itertools
+
+    x = _weyl(np.arange(_V_QWEN))
+    inv = np.uint32(pow(_PHI, -1, 2**32))
+    deltas = np.array([sum(1 << b for b in c) for w in (1, 2, 3)
+                       for c in itertools.combinations(range(32), w)], dtype=np.uint32)
+    for i in range(0, deltas.size, 64):
+        other = (x[None, :] ^ deltas[i:i + 64, None]) * inv            # the id with x ^ d
+        assert not (other < _V_QWEN).any()
+
+
+def test_hash_words_top_bits_are_uniform_over_a_full_vocabulary():
+    seed = torch.tensor([0, 1, -5, 2**62 + 3], dtype=torch.int64)
+    pos = torch.tensor([0, 0, 77, 2**33], dtype=torch.int64)
+    hi, lo = hash_words_ref(seed, pos, _V_QWEN)                          # [4, V] each
+    for word in (hi, lo):
+        for r in range(4):                                             # per row: 256 bins
+            counts = torch.bincount(word[r] >> 24, minlength=256).numpy()
+            assert stats.chisquare(counts).pvalue > 1e-4
+        low = torch.bincount((word & 0xFF).flatten(), minlength=256).numpy()  # low bits too
+        assert stats.chisquare(low).pvalue > 1e-4
+
+
+def test_hi_and_lo_are_independent():
+    """hi = mix(x ^ k1), lo = mix(x ^ k2): across a row, their top bits form an independent
+    16 x 16 table and their correlation is at noise level; so do hi of ids v and v + 1."""
+    seed = torch.arange(6, dtype=torch.int64) * 1_000_003
+    pos = torch.arange(6, dtype=torch.int64) * 17
+    hi, lo = hash_words_ref(seed, pos, 65_536)                           # [6, V]
+    for a, b in ((hi, lo), (hi[:, :-1], hi[:, 1:]), (lo[:, :-1], lo[:, 1:])):
+        for r in range(6):
+            table = torch.zeros(16, 16, dtype=torch.int64)
+            table.index_put_(((a[r] >> 28), (b[r] >> 28)), torch.ones_like(a[r]), accumulate=True)
+            assert stats.chi2_contingency(table.numpy()).pvalue > 1e-4
+            ua, ub = (a[r].double() + 0.5) / 2**32 - 0.5, (b[r].double() + 0.5) / 2**32 - 0.5
+            z = (ua * ub).mean() * 12 * math.sqrt(a.shape[1])           # ~N(0, 1)
+            assert abs(z) < 5
+
+
+def test_closest_vocab_ids_are_uncorrelated_across_rows():
+    """The pairs of ids whose inputs x are closest (4 bits apart) see the same xor
+    difference in every row: over 4,096 (seed, position) rows their hi words must still
+    be uncorrelated (a chi-squared of the pairs' z-scores)."""
+    import itertools
+
+    x = _weyl(np.arange(_V_QWEN))
+    inv = np.uint32(pow(_PHI, -1, 2**32))
+    pairs = []
+    for c in itertools.combinations(range(32), 4):
+        other = (x ^ np.uint32(sum(1 << b for b in c))) * inv
+        a = np.nonzero((other < _V_QWEN) & (other > np.arange(_V_QWEN)))[0]
+        pairs += list(zip(a.tolist(), other[a].tolist()))
+        if len(pairs) >= 300:
+            break
+    a, b = (torch.tensor([p[i] for p in pairs[:300]]) for i in (0, 1))
+    rows = 4096
+    k1, k2 = _row_keys_ref(torch.full((rows,), 31337), torch.arange(rows))  # [rows] each
+    # the words at those ids only (the whole [4096, V] would be 5 GB): hash_words_ref's
+    # key_words_ref on an id subset, checked against it on the first ids
+    ids = torch.cat([a, b])
+    x = torch.from_numpy(_weyl(ids.numpy()).astype(np.int64))[None, :]
+    hi, lo = _mix32_ref(x ^ k1[:, None]), _mix32_ref(x ^ k2[:, None])     # [rows, 600]
+    first = key_words_ref(k1[:4], k2[:4], int(ids.max()) + 1)
+    assert torch.equal(first[0][:, ids], hi[:4]) and torch.equal(first[1][:, ids], lo[:4])
+    for w in (hi, lo):
+        ua = (w[:, :300].double() + 0.5) / 2**32 - 0.5                    # [rows, pairs]
+        ub = (w[:, 300:].double() + 0.5) / 2**32 - 0.5
+        z = (ua * ub).mean(0) * 12 * math.sqrt(rows)                    # [pairs] ~N(0, 1)
+        assert stats.chi2.sf(float((z ** 2).sum()), z.numel()) > 1e-4
+        assert z.abs().max() < 5.5
 
 
 # --- sampling vs the reference ----------------------------------------------------------

@@ -47,12 +47,12 @@ from mrv2.kernels.gumbel import (
     _words_to_gumbel,
     gumbel_sample,
     gumbel_sample_ref,
+    key_words_ref,
     words_to_gumbel_ref,
 )
 from mrv2.kernels.top_k_top_p import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_ref
 from mrv2.platform import TRITON_INTERPRET
 
-_MASK32 = 0xFFFFFFFF
 #: Stream salts: stream s >= 1 keys are (mix(k1 ^ S1[s]), mix(k2 ^ S2[s])) of stream 0's keys.
 STREAM_ACCEPT, STREAM_RESIDUAL = 1, 2
 _SALT = {1: (0x632BE5AB, 0xD1B54A33), 2: (0x2545F491, 0x94D049BB)}
@@ -82,12 +82,6 @@ def _stream_keys_ref(seed: torch.Tensor, pos: torch.Tensor, stream: int):
     return _mix32_ref(k1 ^ s1), _mix32_ref(k2 ^ s2)
 
 
-def _words_ref(k1: torch.Tensor, k2: torch.Tensor, vocab_size: int):
-    x = ((torch.arange(vocab_size, dtype=torch.int64) * 0x9E3779B1) & _MASK32)[None, :]
-    return (_mix32_ref(_mix32_ref(x ^ k1[:, None]) ^ k2[:, None]),
-            _mix32_ref(_mix32_ref(x ^ k2[:, None]) ^ k1[:, None]))             # [N, V] each
-
-
 def accept_uniform_ref(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Stream 1: the acceptance uniform of each row, ``(2k + 1) / 2**24`` in (0, 1).
 
@@ -97,14 +91,14 @@ def accept_uniform_ref(seed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[N]`` float32, bit-identical to the kernel's.
     """
-    hi, _ = _words_ref(*_stream_keys_ref(seed, pos, STREAM_ACCEPT), 1)
+    hi, _ = key_words_ref(*_stream_keys_ref(seed, pos, STREAM_ACCEPT), 1)
     return ((hi[:, 0] >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
 
 
 def residual_noise_ref(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Stream 2: the Gumbel noise ``[N, V]`` of the residual / bonus sample."""
-    return words_to_gumbel_ref(*_words_ref(*_stream_keys_ref(seed, pos, STREAM_RESIDUAL),
-                                           vocab_size))
+    keys = _stream_keys_ref(seed, pos, STREAM_RESIDUAL)
+    return words_to_gumbel_ref(*key_words_ref(*keys, vocab_size))
 
 
 # --- kernels ------------------------------------------------------------------------------
