@@ -160,3 +160,64 @@ def test_one_block_and_one_row():
         out = gumbel_sample(logits, idx, temp, seed, pos, block_v=128, block_b=1,  # SINGLE_BLOCK
                             bound=bound)
         assert torch.equal(out, gumbel_sample_ref(logits, idx, temp, seed, pos))
+
+
+def _same_lane_trap(f_seed, f_pos, sub_v, winner_first):
+    """Logits [1, 4 * sub_v] whose exact winner a and a loose-bound decoy b sit in the same
+    lane (b = a +- sub_v: one column of the per-lane state): the decoy has the best bound,
+    so the winner's bound is that lane's runner-up and must force the exact pass."""
+    vocab = 4 * sub_v
+    hi, _ = hash_words_ref(f_seed, f_pos, vocab)
+    noise = gumbel_noise_ref(f_seed, f_pos, vocab)[0].double()
+    gap = _bound(hi[0]) - noise                                       # bound - exact, >= 0
+    lanes = torch.arange(sub_v)
+    d = gap[lanes + sub_v] - gap[lanes] if winner_first else gap[lanes] - gap[lanes + sub_v]
+    lane = int(d.argmax())
+    a, b = (lane, lane + sub_v) if winner_first else (lane + sub_v, lane)
+    delta = float(d[lane]) / 2
+    assert delta > 0.05
+    trap = torch.full((1, vocab), float("-inf"))
+    trap[0, a] = float(10.0 + delta - noise[a])                       # exact: 10 + delta
+    trap[0, b] = float(10.0 - noise[b])                               # exact: 10; bound higher
+    return trap, a
+
+
+@pytest.mark.parametrize("winner_first", [True, False])
+def test_runner_up_in_the_winning_lane(winner_first):
+    f_seed, f_pos, sub_v = torch.tensor([91]), torch.tensor([4]), 32
+    trap, a = _same_lane_trap(f_seed, f_pos, sub_v, winner_first)
+    one = torch.zeros(1, dtype=torch.int32)
+    out = gumbel_sample(trap, one, torch.ones(1), f_seed, f_pos, block_v=trap.shape[1],
+                        block_b=1, sub_v=sub_v, bound=True)
+    assert int(out[0]) == a == int(gumbel_sample_ref(trap, one, torch.ones(1), f_seed, f_pos)[0])
+
+
+def test_per_lane_edge_cases_equal_the_reference():
+    """The bound path with a many-chunk walk: one row, V smaller than sub_v, V not a
+    multiple of the block, all -inf rows, greedy ties in one lane and across lanes."""
+    g = torch.Generator().manual_seed(21)
+    one = torch.zeros(1, dtype=torch.int32)
+    for vocab in (20, 100, 1000):                                    # < sub_v, partial, 8 blocks
+        logits = torch.randn(1, vocab, generator=g) * 3
+        for t in (0.0, 0.8):
+            temp = torch.tensor([t])
+            out = gumbel_sample(logits, one, temp, torch.tensor([3]), torch.tensor([9]),
+                                block_v=128, block_b=1, sub_v=32, bound=True)
+            assert torch.equal(out, gumbel_sample_ref(logits, one, temp, torch.tensor([3]),
+                                                      torch.tensor([9])))
+    num_rows, vocab = 8, 300
+    logits = torch.randn(num_rows, vocab, generator=g)
+    logits[0] = float("-inf")                                         # all -inf, sampled
+    logits[1] = float("-inf")                                         # all -inf, greedy
+    logits[2, [69, 37, 40, 101]] = 9.0                                # greedy ties: lane 5 x 3
+    logits[3, [140, 12]] = 9.0                                        # a later lane first
+    temp = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 1.0, 1e3, 0.0])
+    seed = torch.randint(0, 2**62, (num_rows,), generator=g)
+    pos = torch.randint(0, 10_000, (num_rows,), generator=g)
+    idx = torch.arange(num_rows, dtype=torch.int32)
+    ref = gumbel_sample_ref(logits, idx, temp, seed, pos)
+    assert ref[:4].tolist() == [0, 0, 37, 12]                         # by hand
+    for block_b in (1, 8):
+        out = gumbel_sample(logits, idx, temp, seed, pos, block_v=128, block_b=block_b,
+                            sub_v=32, bound=True)
+        assert torch.equal(out, ref), block_b

@@ -45,8 +45,11 @@ order, so the torch reference reproduces the kernel's noise bit for bit):
    contraction, so the GPU noise equals the CPU noise too.
 
 Sampling does not compute all that per logit: ``E = -log(u) >= 1 - u >= ~hi / 2**32``,
-so ``g <= 32 ln 2 - log(~hi)``, one hash word and one fast log bound every score. The
-block's best-bounded logit gets its exact score; when no other bound reaches it (minus a
+so ``g <= 32 ln 2 - log(~hi)``, one hash word and one fast log bound every score. Each
+lane (thread element) keeps its own best bound, its id and its runner-up bound across the
+block's sub-chunks, elementwise; one reduction after the walk gives the block's
+best-bounded logit (lowest id on ties) and the runner-up bound. That logit gets its exact
+score; when no other bound reaches it (minus a
 rounding slack) it is the block's argmax, else (near-ties) the block computes every exact
 score. The ids are the reference's either way. See notebooks/05_gumbel_sampling.ipynb.
 """
@@ -101,6 +104,10 @@ EXACT_TILE = 1 << 14
 #: program per SM, too few loads in flight; 1024 at a time with 4 warps keeps it small.
 #: H200, job R, 256 x 151,936: fp32 232.7 -> 138.1 us (bf16 146.1 -> 139.7), the best of
 #: a 36-launch sweep within 3% (`scripts/bench_sampler.py --sweep --gumbel-only`).
+#: NOTE: measured before the one-round hash and the per-lane bound state (3 more
+#: [BLOCK_B, SUB_V] tensors; ptxas sm_90, Triton 3.6: still 80 registers, no spills, and
+#: no shuffles or barriers left in the bound loop). Untimed: the GPU job must re-sweep
+#: (SUB_V 512 and 2048, 4 and 8 warps) before this default is trusted again.
 _GPU_SUB_V = 1024
 
 
@@ -130,12 +137,6 @@ def _row_keys(seed, pos):
     b = _mix32(_mix32(_mix32(s_lo ^ 0x85EBCA6B) ^ s_hi) ^ p_lo)
     k2 = _mix32(b ^ p_hi)
     return k1, k2
-
-
-@triton.jit
-def _hash_hi(k1, v):
-    # k1: uint32 row key; v: int32 vocab ids (broadcastable) -> the high word, uint32.
-    return _mix32((v.to(tl.uint32) * 0x9E3779B1) ^ k1)
 
 
 @triton.jit
@@ -305,19 +306,34 @@ def _gumbel_block_argmax_kernel(
         safe_t = tl.where(greedy, 1.0, temp)
         inv_t = 1.0 / safe_t
         if BOUND:
-            ub_2nd = tl.full([BLOCK_B], float("-inf"), dtype=tl.float32)  # runner-up bound
+            # Per lane (one column of the [BB, SUB] chunk, i.e. ids = j mod SUB_V): its best
+            # bound, that bound's id and its runner-up bound, updated elementwise; the
+            # lanes meet in one reduction after the loop, not three per chunk.
+            lane_ub = tl.full([BLOCK_B, SUB_V], float("-inf"), dtype=tl.float32)
+            lane_2nd = tl.full([BLOCK_B, SUB_V], float("-inf"), dtype=tl.float32)
+            lane_idx = tl.broadcast_to((pid_v * BLOCK_V + sub)[None, :], [BLOCK_B, SUB_V])
+            x_sub = sub.to(tl.uint32) * 0x9E3779B1                            # [SUB]
             for s in range(0, BLOCK_V, SUB_V):
                 cols = pid_v * BLOCK_V + s + sub                              # [SUB]
                 x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
-                hi_c = _hash_hi(k1[:, None], cols[None, :]) ^ 0xFFFFFFFF
+                # cols * 0x9E3779B1 (mod 2**32), as (chunk start) * c + sub * c: one add.
+                x_v = (pid_v * BLOCK_V + s).to(tl.uint32) * 0x9E3779B1 + x_sub   # [SUB]
+                hi_c = _mix32(x_v[None, :] ^ k1[:, None]) ^ 0xFFFFFFFF        # [BB, SUB]
                 g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR),
                                            FAST_LOG)
                 ub = tl.where(greedy[:, None], x, x * inv_t[:, None] + g_max)  # [BB, SUB]
-                prev = best
-                best, best_idx, s1, j1, take = _merge_argmax(best, best_idx, ub, cols,
-                                                             _INT32_MAX)
-                s2 = tl.max(tl.where(cols[None, :] == j1[:, None], float("-inf"), ub), axis=1)
-                ub_2nd = tl.maximum(tl.maximum(ub_2nd, s2), tl.where(take, prev, s1))
+                # NOTE: strictly greater: a lane's earlier (lower) id keeps a tie, and the
+                # tie's bound lands in the runner-up, which then forces the exact pass.
+                take = ub > lane_ub
+                lane_2nd = tl.where(take, lane_ub, tl.maximum(lane_2nd, ub))
+                lane_idx = tl.where(take, cols[None, :], lane_idx)
+                lane_ub = tl.where(take, ub, lane_ub)
+            # The best-bounded id (lowest on ties; a row of -inf keeps the block's first
+            # id) and the runner-up: the best of the other lanes' best and its lane's 2nd.
+            best = tl.max(lane_ub, axis=1)                                    # [BB]
+            best_idx = tl.min(tl.where(lane_ub == best[:, None], lane_idx, _INT32_MAX), axis=1)
+            star_lane = lane_idx == best_idx[:, None]                         # [BB, SUB]
+            ub_2nd = tl.max(tl.where(star_lane, lane_2nd, lane_ub), axis=1)   # [BB]
             # The exact score of the best-bounded logit (the same IEEE steps as below).
             star_ok = row_mask & (best_idx < vocab_size)
             x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
