@@ -108,6 +108,8 @@ def test_on_by_default_on_a_gpu_and_only_for_decode(monkeypatch):
     assert decode_attention.use_fused_rope_attention(qkv, md)
     assert not decode_attention.use_fused_rope_attention(
         qkv, dataclasses.replace(md, max_query_len=2))
+    wide = qkv.new_zeros(decode_attention.MAX_TOKENS + 1, qkv.shape[1])  # batch 33: two kernels
+    assert not decode_attention.use_fused_rope_attention(wide, md)
 
 
 @pytest.mark.parametrize("which", ["embedded", "stories260K", "qwen2_bias"])

@@ -18,7 +18,7 @@ import transformers
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM, SamplingParams
 from mrv2.forward_context import AttentionMetadata, set_forward_context
-from mrv2.kernels import skinny_fused
+from mrv2.kernels import skinny_fused, small_m_fused
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -152,6 +152,8 @@ def _decode_logits(model, config, ids, positions, fused, monkeypatch):
                                     torch.cat([torch.arange(4) + 16 * b for b in range(n)]),
                                     4, 4)
         monkeypatch.setattr(skinny_fused, "ENABLED", fused)
+        monkeypatch.setattr(small_m_fused, "ENABLED", False)   # NOTE: on a GPU the 4-row
+        # prefill would take small_m_fused's forward_decode (on by default there)
         with set_forward_context(prefill):
             model(torch.tensor([t for _ in range(n) for t in (5, 7, 11, 13)]),
                   torch.arange(4).repeat(n))

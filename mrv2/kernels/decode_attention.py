@@ -21,7 +21,8 @@ cache's, P rounded to V's dtype before P @ V. The new token's score and P V term
 sums of the same rounded values where the unfused path uses ``tl.dot``: not bitwise equal.
 
 On by default since job AB (session 7, H200, Qwen3-0.6B shape, ``bench latency``, one job);
-``MRV2_FUSED_ROPE_ATTENTION=0`` turns it off. TPOT off / on at batch 1, 4, 8, 16, 32: 0.894 /
+``MRV2_FUSED_ROPE_ATTENTION=0`` turns it off; only for decode steps of at most ``MAX_TOKENS`` =
+32 tokens (at batch 256 it lost, job D). TPOT off / on at batch 1, 4, 8, 16, 32: 0.894 /
 0.902, 1.311 / 1.290, 1.293 / 1.241, 1.412 / 1.324, 1.502 / 1.425 ms. It removes 28 launches a
 decode step of Qwen3-0.6B (211 -> 183 at batch 1). Serve's warm-up
 (``Runner.precompile_attention``) also compiles its decode launches
@@ -49,10 +50,17 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_FUSED_ROPE_ATTENTION", True))
 
 
+#: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
+#: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
+#: while it won at 4-32 (job AB): larger batches keep the two kernels.
+MAX_TOKENS = 32
+
+
 def use_fused_rope_attention(qkv: torch.Tensor, md: AttentionMetadata) -> bool:
-    """Whether a step takes this kernel: on, a decode step, qkv on the GPU (or interpreted).
-    Host ints only: graph- and sync-safe."""
-    return ENABLED and md.max_query_len == 1 and (qkv.is_cuda or TRITON_INTERPRET)
+    """Whether a step takes this kernel: on, a decode step of at most ``MAX_TOKENS`` tokens,
+    qkv on the GPU (or interpreted). Host ints only: graph- and sync-safe."""
+    return (ENABLED and md.max_query_len == 1 and qkv.shape[0] <= MAX_TOKENS
+            and (qkv.is_cuda or TRITON_INTERPRET))
 
 
 def decode_rope_attention_ref(qkv, positions, cos_sin_cache, q_weight, k_weight, eps,

@@ -99,16 +99,15 @@ _G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
 _HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
 #: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
 EXACT_TILE = 1 << 14
-#: On the GPU a program walks its block this many logits at a time. NOTE: the whole
-#: 4096-wide block at once needed 160 registers a thread (ptxas, sm_90, 8 warps): one
-#: program per SM, too few loads in flight; 1024 at a time with 4 warps keeps it small.
-#: H200, job R, 256 x 151,936: fp32 232.7 -> 138.1 us (bf16 146.1 -> 139.7), the best of
-#: a 36-launch sweep within 3% (`scripts/bench_sampler.py --sweep --gumbel-only`).
-#: NOTE: measured before the one-round hash and the per-lane bound state (3 more
-#: [BLOCK_B, SUB_V] tensors; ptxas sm_90, Triton 3.6: still 80 registers, no spills, and
-#: no shuffles or barriers left in the bound loop). Untimed: the GPU job must re-sweep
-#: (SUB_V 512 and 2048, 4 and 8 warps) before this default is trusted again.
-_GPU_SUB_V = 1024
+#: On the GPU a program walks its block this many logits at a time, with ``_GPU_WARPS``.
+#: NOTE: the whole 4096-wide block at once needed 160 registers a thread (ptxas, sm_90, 8
+#: warps): one program per SM, too few loads in flight. With the one-round hash and the
+#: per-lane bound state (no shuffles or barriers left in the bound loop) the H200 sweep of
+#: job D (256 x 151,936 bf16, `scripts/bench_sampler.py --sweep --gumbel-only`) put 512 at a
+#: time with 4 warps first: 107.4 us, against 118.5 at 1024 (the old default) and 139.7 for
+#: the two-round hash at 1024 (job R). The bf16 copy of the logits took 41.1 us there.
+_GPU_SUB_V = 512
+_GPU_WARPS = 4
 
 
 def _launch_options() -> dict:
@@ -415,7 +414,7 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         out: optional ``[B]`` int64 to write into.
         block_v, block_b, num_warps: launch overrides (defaults suit the platform).
         sub_v: logits a program handles at a time inside its block (a power of two
-            dividing ``block_v``; default: 1024 on the GPU, the whole block in the
+            dividing ``block_v``; default: 512 on the GPU, the whole block in the
             interpreter).
         bound: find each block's candidate by the one-word bound first (``None``: always
             on the GPU; in the interpreter only for tiles over ``EXACT_TILE`` logits).
@@ -444,7 +443,8 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     # depend on it (the slack covers its error).
     fast_log = not TRITON_INTERPRET and torch.version.hip is None
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or max(1, min(8, sub_v // 256))
+        opts["num_warps"] = num_warps or (_GPU_WARPS if not TRITON_INTERPRET
+                                             else max(1, min(8, sub_v // 256)))
     if bound is None:
         # NOTE: the interpreter pays per operation: on a small tile the exact score of
         # every logit (fewer, wider ops) is cheaper than the bound and its second stage.

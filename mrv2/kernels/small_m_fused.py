@@ -192,7 +192,10 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
         cfg["num_stages"] = max(2, cfg["num_stages"] - 1)
     cfg.update(config or {})
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    use_pdl = pdl.use_pdl(x.device)
+    # NOTE: PDL only when BLOCK_K divides K (every model shape). Job D (H200, fp32, M = 5,
+    # N = 64) hit "misaligned address" with PDL on, K = 296 and 300, block 32 x 32 x 32, in
+    # norm_linear and linear_add alike; PDL off, or block_k 64/128, ran clean. Not understood.
+    use_pdl = pdl.use_pdl(x.device) and K % bk == 0
     opts = ({} if TRITON_INTERPRET else
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     opts.update(pdl.launch_kwargs(use_pdl))
