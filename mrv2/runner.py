@@ -133,8 +133,10 @@ class ModelRunner(RunnerInterface):
             from mrv2.models.qwen3 import rope_inputs
             n += precompile_decode_rope(
                 self.kv_caches[0], dims.num_heads, width,
+                # NOTE: only decode steps of <= MAX_TOKENS tokens take it (one per request)
                 launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                self.max_num_reqs, self.max_model_len, max_query_len=1),
+                                min(self.max_num_reqs, decode_attention.MAX_TOKENS),
+                                self.max_model_len, max_query_len=1),
                 *rope_inputs(self.model_state.model), self.kv_caches[0].dtype)
         return n
 

@@ -99,3 +99,28 @@ def test_runner_precompile_covers_the_fused_decode_kernel_when_on(monkeypatch):
     assert llm.runner.precompile_attention() == 5 and calls == ["paged"]
     monkeypatch.setattr(decode_attention, "ENABLED", True)
     assert llm.runner.precompile_attention() == 7 and calls == ["paged", "paged", "rope"]
+
+
+def test_runner_precompiles_fused_decode_launches_only_up_to_its_token_cap(monkeypatch):
+    """The fused decode kernel runs for decode steps of at most MAX_TOKENS tokens (one per
+    request), so the warm-up walks the decode picker only up to that many requests."""
+    from mrv2 import LLM
+    from mrv2.kernels import attention_warmup, decode_attention
+
+    llm = LLM(max_model_len=1024, max_num_seqs=64, dtype="float32", enforce_eager=True)
+    monkeypatch.setattr(attention, "TRITON_INTERPRET", False)   # the GPU picker (132 SMs):
+    monkeypatch.setattr(attention, "_NUM_SMS", 132)             # its choice varies with batch
+    seen = {}
+    monkeypatch.setattr(attention_warmup, "precompile", lambda *a, **k: 0)
+    monkeypatch.setattr(attention_warmup, "precompile_decode_rope",
+                        lambda cache, h, width, variants, *a: seen.setdefault("v", variants)
+                        and len(variants))
+    monkeypatch.setattr(decode_attention, "ENABLED", True)
+    monkeypatch.setattr(decode_attention, "MAX_TOKENS", 2)
+    n = llm.runner.precompile_attention()
+    dims = llm.runner.dims
+    want = launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim, 2, 1024,
+                           max_query_len=1)
+    assert seen["v"] == want and n == len(want)
+    assert len(want) < len(launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                           64, 1024, max_query_len=1))   # the cap matters
