@@ -264,12 +264,11 @@ def _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size):
 def _merge_argmax(best, best_idx, vals, cols, INT32_MAX: tl.constexpr):
     # Fold a sub-chunk [BB, SUB] into the running (max, argmax) of earlier, lower-index
     # sub-chunks; ties go to the lowest index. The first sub-chunk always lands (a row
-    # whose values are all -inf keeps its first id). Also returns the sub-chunk's own max,
-    # its argmax and whether it took over.
+    # whose values are all -inf keeps its first id).
     s1 = tl.max(vals, axis=1)                                                 # [BB]
     j1 = tl.min(tl.where(vals == s1[:, None], cols[None, :], INT32_MAX), axis=1)
     take = (s1 > best) | (best_idx == INT32_MAX)
-    return tl.where(take, s1, best), tl.where(take, j1, best_idx), s1, j1, take
+    return tl.where(take, s1, best), tl.where(take, j1, best_idx)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -357,12 +356,12 @@ def _gumbel_block_argmax_kernel(
                 hi, lo = _hash_words(k1[:, None], k2[:, None], cols[None, :])
                 g = _words_to_gumbel(hi, lo)
                 val = tl.where(greedy[:, None], x, tl.math.div_rn(x, safe_t[:, None]) + g)
-                best, best_idx, _, _, _ = _merge_argmax(best, best_idx, val, cols, _INT32_MAX)
+                best, best_idx = _merge_argmax(best, best_idx, val, cols, _INT32_MAX)
     else:  # every row greedy: the plain argmax
         for s in range(0, BLOCK_V, SUB_V):
             cols = pid_v * BLOCK_V + s + sub                                  # [SUB]
             x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
-            best, best_idx, _, _, _ = _merge_argmax(best, best_idx, x, cols, _INT32_MAX)
+            best, best_idx = _merge_argmax(best, best_idx, x, cols, _INT32_MAX)
     if SINGLE_BLOCK:
         tl.store(out_ptr + rows, best_idx.to(tl.int64), mask=row_mask)
     else:
@@ -443,8 +442,7 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
     # depend on it (the slack covers its error).
     fast_log = not TRITON_INTERPRET and torch.version.hip is None
     if num_warps is not None or not TRITON_INTERPRET:
-        opts["num_warps"] = num_warps or (_GPU_WARPS if not TRITON_INTERPRET
-                                             else max(1, min(8, sub_v // 256)))
+        opts["num_warps"] = num_warps or _GPU_WARPS   # the interpreter: only when given
     if bound is None:
         # NOTE: the interpreter pays per operation: on a small tile the exact score of
         # every logit (fewer, wider ops) is cheaper than the bound and its second stage.

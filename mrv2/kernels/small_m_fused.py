@@ -195,7 +195,8 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     # NOTE: PDL only when BLOCK_K divides K (every model shape). Job D (H200, fp32, M = 5,
     # N = 64) hit "misaligned address" with PDL on, K = 296 and 300, block 32 x 32 x 32, in
     # norm_linear and linear_add alike; PDL off, or block_k 64/128, ran clean. Not understood.
-    use_pdl = pdl.use_pdl(x.device) and K % bk == 0
+    even_k = K % bk == 0
+    use_pdl = pdl.use_pdl(x.device) and even_k
     opts = ({} if TRITON_INTERPRET else
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     opts.update(pdl.launch_kwargs(use_pdl))
@@ -207,7 +208,7 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **opts)
+        BLOCK_K=bk, EVEN_K=even_k, PDL=use_pdl, **opts)
     return out
 
 
