@@ -155,15 +155,20 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
     work = logits.clone()
     dt = str(dtype).replace("torch.", "")
     rows = []
-    # (block_v, sub_v, warps): sub_v = block_v is the one-pass program of before 2026-12-01.
-    g_cfgs = ([] if filter_only else [(256, 64, 4)] if smoke else
-              [(bv, sv, nw) for bv in (2048, 4096, 8192) for sv in (512, 1024, 2048)
-               if sv <= bv for nw in (4, 8)] + [(4096, 4096, 8), (2048, 2048, 4)])
-    for bv, sv, nw in g_cfgs:
-        us = _time_us(lambda bv=bv, sv=sv, nw=nw: gumbel_sample(
-            logits, idx, temp, seed, pos, block_v=bv, sub_v=sv, num_warps=nw))
+    # (block_v, sub_v, warps, stages, unroll): stages pipelines the bound loop's logit loads
+    # (tl.range num_stages: cp.async into shared memory), unroll unrolls it (loads issued
+    # together); None leaves the loop as it is.
+    g_cfgs = ([] if filter_only else [(256, 64, 4, None, None)] if smoke else
+              [(bv, sv, nw, None, un) for bv in (4096, 8192) for sv in (512, 1024)
+               for nw in (4, 8) for un in (None, 2)]
+              + [(4096, 256, 4, None, 4), (4096, 512, 4, 3, None), (4096, 512, 4, None, 4)])
+    for bv, sv, nw, st, un in g_cfgs:
+        us = _time_us(lambda bv=bv, sv=sv, nw=nw, st=st, un=un: gumbel_sample(
+            logits, idx, temp, seed, pos, block_v=bv, sub_v=sv, num_warps=nw, stages=st,
+            unroll=un))
         rows.append({"kernel": "gumbel", "dtype": dt,
-                     "config": f"block_v={bv} sub_v={sv} warps={nw}", "us": us})
+                     "config": f"block_v={bv} sub_v={sv} warps={nw} stages={st} unroll={un}",
+                     "us": us})
     k_cfgs = ([] if filter_only or gumbel_only else [(256, 16, None)] if smoke else
               [(bv, np_, nw) for bv in (128, 256, 512, 1024) for np_ in (8, 16, 32)
                for nw in (4, 8)])

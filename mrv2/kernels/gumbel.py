@@ -95,7 +95,7 @@ _SERIES_TOP_C: tl.constexpr = tl.constexpr(_SERIES_TOP)
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
 # g <= -log(~hi / 2**32) = 32 ln 2 - log(~hi); ~hi = 0 (w >= 2**-65) is floored at 2**-34.
-_G_TOP: tl.constexpr = tl.constexpr(_f32(32 * 0.6931471805599453))
+_LN2_F, _LOG2E_F = tl.constexpr(_f32(0.6931471805599453)), tl.constexpr(_f32(1.4426950408889634))
 _HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
 #: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
 EXACT_TILE = 1 << 14
@@ -241,15 +241,15 @@ def gumbel_noise(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int, *,
 # --- Gumbel-max sampling ------------------------------------------------------------
 
 @triton.jit
-def _fast_log(x, FAST: tl.constexpr):
-    # Natural log of positive normal fp32 x, approximate (|error| < 2e-7 absolute): one
-    # MUFU lg2 on the GPU (libdevice's logf is a routine); tl.log in the interpreter.
+def _fast_log2(x, FAST: tl.constexpr):
+    # log2 of positive NORMAL fp32 x, approximate (|error| < 2**-22 absolute): one MUFU lg2
+    # on the GPU (.ftz: no subnormal fix-up, 3 instructions a logit fewer; the bound loop's
+    # inputs are >= 2**-34); tl.log2 in the interpreter.
     if FAST:
-        lg2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
-                                        dtype=tl.float32, is_pure=True, pack=1)
-        return lg2 * 0.6931471805599453
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return tl.log(x)
+        return tl.log2(x)
 
 
 @triton.jit
@@ -279,6 +279,7 @@ def _gumbel_block_argmax_kernel(
     logits_stride, partial_stride,                                       # strides
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, SUB_V: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, BOUND: tl.constexpr,
+    STAGES: tl.constexpr = None, UNROLL: tl.constexpr = None,
 ):
     # A program owns BLOCK_V logits of BLOCK_B rows and walks them SUB_V at a time
     # (few registers per thread, so several programs share an SM), keeping running maxima.
@@ -304,6 +305,10 @@ def _gumbel_block_argmax_kernel(
         safe_t = tl.where(greedy, 1.0, temp)
         inv_t = 1.0 / safe_t
         if BOUND:
+            # NOTE: the bound is kept in log2 units less the constant 32 (monotone, so the
+            # same order): x * (log2 e / T) - log2(~hi), one multiply and one subtract a
+            # logit; only the runner-up is turned back into natural units, once.
+            inv_t2 = inv_t * _LOG2E_F                                         # [BB]
             # Per lane (one column of the [BB, SUB] chunk, i.e. ids = j mod SUB_V): its best
             # bound, that bound's id and its runner-up bound, updated elementwise; the
             # lanes meet in one reduction after the loop, not three per chunk.
@@ -311,27 +316,29 @@ def _gumbel_block_argmax_kernel(
             lane_2nd = tl.full([BLOCK_B, SUB_V], float("-inf"), dtype=tl.float32)
             lane_idx = tl.broadcast_to((pid_v * BLOCK_V + sub)[None, :], [BLOCK_B, SUB_V])
             x_sub = sub.to(tl.uint32) * 0x9E3779B1                            # [SUB]
-            for s in range(0, BLOCK_V, SUB_V):
+            for s in tl.range(0, BLOCK_V, SUB_V, num_stages=STAGES, loop_unroll_factor=UNROLL):
                 cols = pid_v * BLOCK_V + s + sub                              # [SUB]
                 x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
                 # cols * 0x9E3779B1 (mod 2**32), as (chunk start) * c + sub * c: one add.
                 x_v = (pid_v * BLOCK_V + s).to(tl.uint32) * 0x9E3779B1 + x_sub   # [SUB]
                 hi_c = _mix32(x_v[None, :] ^ k1[:, None]) ^ 0xFFFFFFFF        # [BB, SUB]
-                g_max = _G_TOP - _fast_log(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR),
-                                           FAST_LOG)
-                ub = tl.where(greedy[:, None], x, x * inv_t[:, None] + g_max)  # [BB, SUB]
+                lg_hi = _fast_log2(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
+                ub = tl.where(greedy[:, None], x, x * inv_t2[:, None] - lg_hi)  # [BB, SUB]
                 # NOTE: strictly greater: a lane's earlier (lower) id keeps a tie, and the
-                # tie's bound lands in the runner-up, which then forces the exact pass.
-                take = ub > lane_ub
-                lane_2nd = tl.where(take, lane_ub, tl.maximum(lane_2nd, ub))
-                lane_idx = tl.where(take, cols[None, :], lane_idx)
-                lane_ub = tl.where(take, ub, lane_ub)
+                # tie's bound lands in the runner-up, which then forces the exact pass. The
+                # runner-up is the larger of the old one and the smaller of (ub, old best):
+                # three min/max, no select that would need the old best kept in a copy.
+                lane_idx = tl.where(ub > lane_ub, cols[None, :], lane_idx)
+                lane_2nd = tl.maximum(lane_2nd, tl.minimum(ub, lane_ub))
+                lane_ub = tl.maximum(lane_ub, ub)
             # The best-bounded id (lowest on ties; a row of -inf keeps the block's first
             # id) and the runner-up: the best of the other lanes' best and its lane's 2nd.
             best = tl.max(lane_ub, axis=1)                                    # [BB]
             best_idx = tl.min(tl.where(lane_ub == best[:, None], lane_idx, _INT32_MAX), axis=1)
             star_lane = lane_idx == best_idx[:, None]                         # [BB, SUB]
             ub_2nd = tl.max(tl.where(star_lane, lane_2nd, lane_ub), axis=1)   # [BB]
+            # back to natural units: x / T + 32 ln 2 - ln(~hi) (greedy rows: x itself)
+            ub_2nd = tl.where(greedy, ub_2nd, (ub_2nd + 32.0) * _LN2_F)
             # The exact score of the best-bounded logit (the same IEEE steps as below).
             star_ok = row_mask & (best_idx < vocab_size)
             x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
@@ -339,8 +346,8 @@ def _gumbel_block_argmax_kernel(
             h_s, l_s = _hash_words(k1, k2, best_idx)
             best = tl.where(greedy, x_star,
                             tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
-            # NOTE: the slack covers the bound's fp32 rounding and the approximate tl.log
-            # (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
+            # NOTE: the slack covers the bound's fp32 rounding (a few ulps of |x / T| + 66)
+            # and the approximate lg2 (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
             # scores strictly below best, so when every other bound is, it is the argmax.
             slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
             done = star_ok & (greedy | (ub_2nd < best - slack) | (best == float("-inf")))
@@ -396,7 +403,8 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
                   seed: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None, *,
                   block_v: int | None = None, block_b: int | None = None,
                   sub_v: int | None = None, num_warps: int | None = None,
-                  bound: bool | None = None) -> torch.Tensor:
+                  bound: bool | None = None, stages: int | None = None,
+                  unroll: int | None = None) -> torch.Tensor:
     """Sample one token per row by Gumbel-max, without a softmax and without a CPU sync.
 
     Row ``b`` (state row ``r = idx_mapping[b]``) takes ``argmax(logits[b])`` when
@@ -448,6 +456,7 @@ def gumbel_sample(logits: torch.Tensor, idx_mapping: torch.Tensor, temperature: 
         # every logit (fewer, wider ops) is cheaper than the bound and its second stage.
         bound = not TRITON_INTERPRET or block_b * block_v > EXACT_TILE
     opts["BOUND"] = bound
+    opts["STAGES"], opts["UNROLL"] = stages, unroll
     if num_blocks == 1:
         _gumbel_block_argmax_kernel[grid](
             logits, idx_mapping, temperature, seed, pos, out, out, out,
