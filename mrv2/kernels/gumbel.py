@@ -44,8 +44,11 @@ order, so the torch reference reproduces the kernel's noise bit for bit):
    ~10% of inputs. Divisions use ``div_rn`` and the GPU launch turns off FMA
    contraction, so the GPU noise equals the CPU noise too.
 
-Sampling does not compute all that per logit: ``E = -log(u) >= 1 - u >= ~hi / 2**32``,
-so ``g <= 32 ln 2 - log(~hi)``, one hash word and one fast log bound every score. Each
+Sampling does not compute all that per logit: ``g = -log(E) <= -log(E_lb)`` for the larger
+of two lower bounds of E from the first hash word alone, ``E >= 1 - u >= ~hi / 2**32``
+(tight as u -> 1) and ``E >= -log(u_up)`` with ``u_up`` = (hi's top 23 bits + 1) / 2**23
+(tight elsewhere): one hash word and two fast logs bound every score within ~1e-3 (with the
+first bound alone 11% of the benchmark's blocks needed the exact pass; now ~0.1%). Each
 lane (thread element) keeps its own best bound, its id and its runner-up bound across the
 block's sub-chunks, elementwise; one reduction after the walk gives the block's
 best-bounded logit (lowest id on ties) and the runner-up bound. That logit gets its exact
@@ -94,8 +97,12 @@ _TWO_M32, _TWO_M64 = tl.constexpr(_TWO_M32_F), tl.constexpr(_TWO_M64_F)
 _SERIES_TOP_C: tl.constexpr = tl.constexpr(_SERIES_TOP)
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
-# g <= -log(~hi / 2**32) = 32 ln 2 - log(~hi); ~hi = 0 (w >= 2**-65) is floored at 2**-34.
-_LN2_F, _LOG2E_F = tl.constexpr(_f32(0.6931471805599453)), tl.constexpr(_f32(1.4426950408889634))
+# The bound's lower bounds of E (see the kernel): ~hi / 2**32 with ~hi = 0 (w >= 2**-65)
+# floored at 2**-34; -log(u_up) with u_up = (top 23 bits of hi + 1) / 2**23 = m - (1 - 2**-23)
+# for m in [1, 2) built from those bits, less a margin for the approximate lg2 (|error| <
+# 2**-20 at these magnitudes, times ln 2) and the kernel's fp32 E (~1e-7): 1e-5.
+_NEG_LN2, _LOG2E_F = tl.constexpr(_f32(-0.6931471805599453)), tl.constexpr(_f32(1.4426950408889634))
+_ONE_M23, _E_MARGIN = tl.constexpr(1.0 - 2.0 ** -23), tl.constexpr(1e-5)
 _HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
 #: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
 EXACT_TILE = 1 << 14
@@ -305,9 +312,8 @@ def _gumbel_block_argmax_kernel(
         safe_t = tl.where(greedy, 1.0, temp)
         inv_t = 1.0 / safe_t
         if BOUND:
-            # NOTE: the bound is kept in log2 units less the constant 32 (monotone, so the
-            # same order): x * (log2 e / T) - log2(~hi), one multiply and one subtract a
-            # logit; only the runner-up is turned back into natural units, once.
+            # NOTE: the bound is kept in log2 units (monotone, so the same order): x * (log2 e
+            # / T) - log2(E_lb); only the runner-up goes back to natural units, once.
             inv_t2 = inv_t * _LOG2E_F                                         # [BB]
             # Per lane (one column of the [BB, SUB] chunk, i.e. ids = j mod SUB_V): its best
             # bound, that bound's id and its runner-up bound, updated elementwise; the
@@ -321,9 +327,18 @@ def _gumbel_block_argmax_kernel(
                 x = _load_logits(logits_ptr, row_off, row_mask, cols, vocab_size)  # [BB, SUB]
                 # cols * 0x9E3779B1 (mod 2**32), as (chunk start) * c + sub * c: one add.
                 x_v = (pid_v * BLOCK_V + s).to(tl.uint32) * 0x9E3779B1 + x_sub   # [SUB]
-                hi_c = _mix32(x_v[None, :] ^ k1[:, None]) ^ 0xFFFFFFFF        # [BB, SUB]
-                lg_hi = _fast_log2(tl.maximum(hi_c.to(tl.float32), _HI_C_FLOOR), FAST_LOG)
-                ub = tl.where(greedy[:, None], x, x * inv_t2[:, None] - lg_hi)  # [BB, SUB]
+                hi = _mix32(x_v[None, :] ^ k1[:, None])                       # [BB, SUB]
+                # g = -log(E) <= -log(E_lb) for any E_lb <= E. Two lower bounds from hi alone:
+                # E >= 1 - u >= ~hi / 2**32 (tight as u -> 1), and E = -log(u) >= -log(u_up)
+                # (tight elsewhere). With only the first, a block's best bound was loose by up
+                # to ~1.5 where u is small, and 11% of the blocks of the benchmark's logits
+                # (randn * 3, T = 0.6) fell back to the exact pass; with both, near-ties only.
+                e_lb = tl.maximum((hi ^ 0xFFFFFFFF).to(tl.float32), _HI_C_FLOOR) * _TWO_M32
+                m = ((hi >> 9) | 0x3F800000).to(tl.float32, bitcast=True)    # [1, 2)
+                e_up = _fast_log2(m - _ONE_M23, FAST_LOG) * _NEG_LN2 - _E_MARGIN
+                e_lb = tl.maximum(e_lb, e_up)
+                ub = tl.where(greedy[:, None], x,
+                              x * inv_t2[:, None] - _fast_log2(e_lb, FAST_LOG))  # [BB, SUB]
                 # NOTE: strictly greater: a lane's earlier (lower) id keeps a tie, and the
                 # tie's bound lands in the runner-up, which then forces the exact pass. The
                 # runner-up is the larger of the old one and the smaller of (ub, old best):
@@ -337,8 +352,8 @@ def _gumbel_block_argmax_kernel(
             best_idx = tl.min(tl.where(lane_ub == best[:, None], lane_idx, _INT32_MAX), axis=1)
             star_lane = lane_idx == best_idx[:, None]                         # [BB, SUB]
             ub_2nd = tl.max(tl.where(star_lane, lane_2nd, lane_ub), axis=1)   # [BB]
-            # back to natural units: x / T + 32 ln 2 - ln(~hi) (greedy rows: x itself)
-            ub_2nd = tl.where(greedy, ub_2nd, (ub_2nd + 32.0) * _LN2_F)
+            # back to natural units: x / T - ln(E_lb) (greedy rows: x itself)
+            ub_2nd = tl.where(greedy, ub_2nd, ub_2nd * -_NEG_LN2)
             # The exact score of the best-bounded logit (the same IEEE steps as below).
             star_ok = row_mask & (best_idx < vocab_size)
             x_star = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + best_idx,
@@ -346,7 +361,7 @@ def _gumbel_block_argmax_kernel(
             h_s, l_s = _hash_words(k1, k2, best_idx)
             best = tl.where(greedy, x_star,
                             tl.math.div_rn(x_star, safe_t) + _words_to_gumbel(h_s, l_s))
-            # NOTE: the slack covers the bound's fp32 rounding (a few ulps of |x / T| + 66)
+            # NOTE: the slack covers the bound's fp32 rounding (a few ulps of |x / T| + 46)
             # and the approximate lg2 (< 1e-4 absolute + 2**-21 relative); a logit whose bound is below best - slack
             # scores strictly below best, so when every other bound is, it is the argmax.
             slack = 1e-4 + (tl.abs(best) + 92.0) * _TWO_M18
