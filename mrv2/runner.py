@@ -136,7 +136,8 @@ class ModelRunner(RunnerInterface):
                 # NOTE: only decode steps of <= MAX_TOKENS tokens take it (one per request)
                 launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
                                 min(self.max_num_reqs, decode_attention.MAX_TOKENS),
-                                self.max_model_len, max_query_len=1),
+                                self.max_model_len, max_query_len=1,
+                                pick=decode_attention.pick_config),
                 *rope_inputs(self.model_state.model), self.kv_caches[0].dtype)
         return n
 

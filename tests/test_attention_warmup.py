@@ -120,7 +120,13 @@ def test_runner_precompiles_fused_decode_launches_only_up_to_its_token_cap(monke
     n = llm.runner.precompile_attention()
     dims = llm.runner.dims
     want = launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim, 2, 1024,
-                           max_query_len=1)
+                           max_query_len=1, pick=decode_attention.pick_config)
     assert seen["v"] == want and n == len(want)
     assert len(want) < len(launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                           64, 1024, max_query_len=1))   # the cap matters
+                                           64, 1024, max_query_len=1,
+                                           pick=decode_attention.pick_config))  # the cap matters
+    # one request takes its own launch, and the walk has it (1024 keys: 16 tiles of 64)
+    one = dict(decode_attention.ONE_REQUEST_LAUNCH, num_splits=16)
+    assert any(v["num_splits"] == 16 and v["block_n"] == 64 for v in want), (one, want)
+    assert decode_attention.pick_config(1, dims.num_kv_heads, 2, 1, 1024)["num_splits"] == 16
+    assert decode_attention.pick_config(1, dims.num_kv_heads, 2, 1, 60)["num_splits"] == 1

@@ -20,6 +20,8 @@ real calls: it uses the runner's own KV cache and a block table of the real widt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -43,7 +45,8 @@ def _contexts(max_model_len: int) -> list[int]:
 
 
 def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_reqs: int,
-                    max_model_len: int, max_query_len: int = 32) -> list[dict]:
+                    max_model_len: int, max_query_len: int = 32,
+                    pick: Callable[..., dict] | None = None) -> list[dict]:
     """Every distinct launch configuration ``paged_attention`` may pick for this model.
 
     Args:
@@ -52,6 +55,8 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_re
         max_model_len: the longest context.
         max_query_len: query lengths up to this are walked (a longer one takes the
             prefill launch, whose choice does not depend on the length).
+        pick: the picker walked (``attention._pick_config``'s signature; default that one,
+            ``decode_attention.pick_config`` for the fused decode kernel).
 
     Returns:
         The configurations (dicts of ``_pick_config``'s keys), each once.
@@ -69,8 +74,8 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_re
             for ctx in contexts:
                 if ctx < q_len:
                     continue
-                cfg = attention._pick_config(num_reqs, num_kv_heads, group_pad, q_len, ctx,
-                                             block_d)
+                cfg = (pick or attention._pick_config)(num_reqs, num_kv_heads, group_pad,
+                                                       q_len, ctx, block_d)
                 seen.setdefault(tuple(sorted(cfg.items())), cfg)
     return list(seen.values())
 

@@ -56,6 +56,29 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 MAX_TOKENS = 32
 
 
+#: One request (batch 1): at most 32 splits of 64-key tiles, whatever the decode table says.
+#: In-model TPOT (session 8, H200, max_model_len 4352, one job; the table's choice there is 16
+#: splits of 128 keys): 1.038 -> 0.920 ms at a 128-token prompt, 1.063 -> 1.032 at 3,968; at
+#: max_model_len 256 (``bench latency``) both give 4 splits of 64 (the cap below). The table
+#: was swept one kernel at a time; in the model, with PDL, more and shorter splits win at b1
+#: (16 x 16 keys won at short contexts, 1.67 ms at long ones: 64 keys is the compromise).
+ONE_REQUEST_LAUNCH = {"num_splits": 32, "block_n": 64}
+
+
+def pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
+                max_seq_len: int, block_d: int = 128) -> dict:
+    """This kernel's launch: ``attention._pick_config``'s decode choice, except one request
+    on the GPU takes ``ONE_REQUEST_LAUNCH`` (splits capped at the key tiles of
+    ``max_seq_len``). Host ints only (graph-safe); the serve warm-up walks it too."""
+    cfg = attention._pick_config(num_reqs, num_kv_heads, group_pad, max_query_len,
+                                 max_seq_len, block_d)
+    if num_reqs == 1 and not attention.TRITON_INTERPRET:
+        bn = ONE_REQUEST_LAUNCH["block_n"]
+        cfg.update(ONE_REQUEST_LAUNCH,
+                   num_splits=max(1, min(ONE_REQUEST_LAUNCH["num_splits"], -(-max_seq_len // bn))))
+    return cfg
+
+
 def use_fused_rope_attention(qkv: torch.Tensor, md: AttentionMetadata) -> bool:
     """Whether a step takes this kernel: on, a decode step of at most ``MAX_TOKENS`` tokens,
     qkv on the GPU (or interpreted). Host ints only: graph- and sync-safe."""
@@ -282,8 +305,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         return out
     group = num_heads // num_kv_heads
     block_half = max(16, triton.next_power_of_2(d // 2))
-    cfg = attention._pick_config(num_reqs, num_kv_heads, triton.next_power_of_2(group), 1,
-                                 md.max_seq_len, 2 * block_half)
+    cfg = pick_config(num_reqs, num_kv_heads, triton.next_power_of_2(group), 1, md.max_seq_len,
+                      2 * block_half)
     cfg.update(config or {})
     splits = cfg["num_splits"]
     part_acc, part_ml = attention.split_buffers(out, splits)
