@@ -84,6 +84,25 @@ def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg):
     torch.testing.assert_close(kv.nan_to_num(123.0), kv_ref.nan_to_num(123.0), **TOL)
 
 
+@pytest.mark.parametrize("cfg", [{"num_splits": 3, "block_n": 16},
+                                 {"num_splits": 8, "block_n": 32}])
+def test_folded_merge_equals_the_merge_kernel(cfg, monkeypatch):
+    """The last split of each (token, KV head) merges in the attention kernel itself
+    (``FOLD_MERGE``): the merge kernel's result, twice in a row (the counters go back to 0)."""
+    qkv, positions, kv, md, (qw, kw) = _decode_batch(CTX, 8, 2, 32, seed=5)
+    cos_sin = build_cos_sin_cache(32, 256, 10000.0, DEVICE)
+    outs = {}
+    for fold in (False, True, True):
+        monkeypatch.setattr(decode_attention, "FOLD_MERGE", fold)
+        out = decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, kv.clone(), md,
+                                    32 ** -0.5, 8, 2, config=cfg)
+        if fold and fold in outs:
+            assert torch.equal(out[:len(CTX)], outs[fold][:len(CTX)])  # the second launch
+        outs[fold] = out
+    torch.testing.assert_close(outs[True][:len(CTX)], outs[False][:len(CTX)], **TOL)
+    assert int(decode_attention._COUNTERS[torch.device(DEVICE)].abs().sum()) == 0
+
+
 def test_bad_input_raises_before_work():
     qkv, positions, kv, md, (qw, kw) = _decode_batch([3, 4], 4, 2, 16)
     cos_sin = build_cos_sin_cache(16, 64, 10000.0, DEVICE)
@@ -167,10 +186,11 @@ def test_llm_greedy_fused_rope_attention_on_equals_off(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="bf16 and CUDA graphs need the GPU")
-@pytest.mark.parametrize("ctx", [[0, 100, 1000], [7] * 32])
+@pytest.mark.parametrize("ctx", [[0, 100, 1000], [7] * 32, [1500]])
 def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx):
     """Qwen3-0.6B's attention shape (16 q / 8 KV heads, d 128), bf16, the decode table's
-    launch (splits as a batch of 3 or 32 gets them): against qk_norm_rope + paged_attention
+    launch (splits as a batch of 3 or 32 gets them; one request: 24 splits, the folded
+    merge): against qk_norm_rope + paged_attention
     (compiled), and a CUDA-graph replay (PDL on by default) bitwise equal to eager."""
     from mrv2.kernels.attention import paged_attention
     from mrv2.kernels.rotary import qk_norm_rope

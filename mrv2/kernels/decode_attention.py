@@ -50,6 +50,10 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_FUSED_ROPE_ATTENTION", True))
 
 
+#: Fold the split merge into the attention kernel (the last split of a token's KV head merges
+#: all of them; no ``_merge_splits_kernel`` launch): on unless ``MRV2_FOLD_SPLIT_MERGE=0``.
+FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", True)
+
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
 #: while it won at 4-32 (job AB): larger batches keep the two kernels.
@@ -156,7 +160,7 @@ _key_tile_body = interpreter_body(_key_tile)
 def _decode_rope_attention_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,  # inputs
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    kv_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,                         # outputs
+    kv_cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,            # outputs
     qk_scale, eps,                                                            # sizes
     stride_xt, stride_cp, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,  # strides
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
@@ -164,6 +168,7 @@ def _decode_rope_attention_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_NORM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    FOLD_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
     # NOTE: with PDL every input may come from the kernel before: wait first, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
@@ -245,13 +250,13 @@ def _decode_rope_attention_kernel(
         acc2 = acc2 * alpha[:, None] + p_r * v2.to(tl.float32)
         m_i = m_new
 
+    odt = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + t * stride_ot + head[:, None] * stride_oh + c[None, :]
     if NUM_SPLITS == 1:
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        o_ptrs = out_ptr + t * stride_ot + head[:, None] * stride_oh + c[None, :]
-        odt = out_ptr.dtype.element_ty
         tl.store(o_ptrs, (acc1 * inv[:, None]).to(odt), mask=q_mask)
         tl.store(o_ptrs + HALF, (acc2 * inv[:, None]).to(odt), mask=q_mask)
-    else:  # this split's unnormalised sums and (max, sum), for attention's merge kernel
+    else:  # this split's unnormalised sums and (max, sum), for the merge
         p_ptrs = part_acc_ptr + t * stride_pt + head[:, None] * stride_ph + split * stride_ps \
             + c[None, :]
         tl.store(p_ptrs, acc1, mask=q_mask)
@@ -259,6 +264,55 @@ def _decode_rope_attention_kernel(
         ml_ptr = part_ml_ptr + t * stride_mt + head * stride_mh + split * stride_ms
         tl.store(ml_ptr, m_i, mask=row_ok)
         tl.store(ml_ptr + 1, l_i, mask=row_ok)
+        if FOLD_MERGE:
+            # The merge folded in: the last of the (token, KV head)'s NUM_SPLITS programs to
+            # count itself in merges every split (no merge kernel). NOTE: the barrier puts
+            # every thread's partial stores before thread 0's acq_rel atomic (release); the
+            # last program's loads come after its acquire (Triton broadcasts the count
+            # through shared memory behind a barrier) and bypass L1 (.cg): another program
+            # wrote them. The last program sets the counter back to 0 for the next launch.
+            tl.debug_barrier()
+            cnt_ptr = counter_ptr + t * NUM_KV_HEADS + kh
+            if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                sp = tl.arange(0, BLOCK_S)                                  # [BS]
+                ml_all = part_ml_ptr + t * stride_mt + head[:, None] * stride_mh \
+                    + sp[None, :] * stride_ms                               # [BM, BS]
+                ml_ok = row_ok[:, None] & (sp < NUM_SPLITS)[None, :]
+                m_s = tl.load(ml_all, mask=ml_ok, other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(ml_all + 1, mask=ml_ok, other=0.0, cache_modifier=".cg")
+                m_tot = tl.max(m_s, 1)                                      # [BM]
+                l_tot = tl.sum(l_s * tl.exp2(m_s - m_tot[:, None]), 1)      # [BM]
+                o1 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+                o2 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+                for j in range(NUM_SPLITS):
+                    w = tl.exp2(tl.load(part_ml_ptr + t * stride_mt + head * stride_mh
+                                        + j * stride_ms, mask=row_ok, other=-1.0e30,
+                                        cache_modifier=".cg") - m_tot)[:, None]  # [BM, 1]
+                    a_ptrs = part_acc_ptr + t * stride_pt + head[:, None] * stride_ph \
+                        + j * stride_ps + c[None, :]
+                    o1 += tl.load(a_ptrs, mask=q_mask, other=0.0, cache_modifier=".cg") * w
+                    o2 += tl.load(a_ptrs + HALF, mask=q_mask, other=0.0,
+                                  cache_modifier=".cg") * w
+                inv = 1.0 / tl.where(l_tot > 0, l_tot, 1.0)
+                tl.store(o_ptrs, (o1 * inv[:, None]).to(odt), mask=q_mask)
+                tl.store(o_ptrs + HALF, (o2 * inv[:, None]).to(odt), mask=q_mask)
+                tl.store(cnt_ptr, 0)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters (one per token x KV head) that every
+    folded launch leaves zeroed again. Allocated outside CUDA-graph capture only: a buffer
+    from a graph's private pool would go with the graph (capture runs warm-ups first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_rope_attention's merge counters must be allocated "
+                               "before CUDA-graph capture: run the launch once eagerly first")
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
@@ -316,10 +370,12 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache = cos_sin_cache.contiguous()
     opts = ({} if TRITON_INTERPRET else {"num_warps": cfg["num_warps"],
                                           "num_stages": cfg["num_stages"]})
+    fold = FOLD_MERGE and splits > 1
+    counters = _merge_counters(qkv.device, T * num_kv_heads) if fold else md.seq_lens
     _decode_rope_attention_kernel[(num_reqs, num_kv_heads * splits)](
         qkv, q_weight if use_norm else qkv, k_weight if use_norm else qkv, positions,
         cos_sin_cache, md.slot_mapping, md.block_table, md.query_start_loc, md.seq_lens,
-        kv_cache, out, part_acc, part_ml,
+        kv_cache, out, part_acc, part_ml, counters,
         scale * _LOG2E, float(eps),
         qkv.stride(0), cos_sin_cache.stride(0), *kv_cache.stride()[:4],
         md.block_table.stride(0), out.stride(0), out.stride(1),
@@ -328,7 +384,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_HALF=block_half, USE_NORM=use_norm, PAGE_SIZE=kv_cache.shape[2],
         NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
+        FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         **opts, **pdl.launch_kwargs(use_pdl))
-    if splits > 1:
+    if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
     return out
