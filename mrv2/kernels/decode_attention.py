@@ -51,8 +51,9 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 
 
 #: Fold the split merge into the attention kernel (the last split of a token's KV head merges
-#: all of them; no ``_merge_splits_kernel`` launch): on unless ``MRV2_FOLD_SPLIT_MERGE=0``.
-FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", True)
+#: all of them; no ``_merge_splits_kernel`` launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``: its GPU
+#: tests have not passed yet (session 8: the file timed out on the GPU, cause unknown).
+FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),

@@ -113,7 +113,7 @@ EXACT_TILE = 1 << 14
 #: job D (256 x 151,936 bf16, `scripts/bench_sampler.py --sweep --gumbel-only`) put 512 at a
 #: time with 4 warps first: 107.4 us, against 118.5 at 1024 (the old default) and 139.7 for
 #: the two-round hash at 1024 (job R). The bf16 copy of the logits took 41.1 us there.
-_GPU_SUB_V = 512
+_GPU_SUB_V = 512  # session 8 final job (tight bound): 80.9 us bf16 256 x 151,936 (was 107.4)
 _GPU_WARPS = 4
 
 
