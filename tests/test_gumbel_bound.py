@@ -7,8 +7,6 @@ extreme words, and that both paths (the fast one and the fallback) return the re
 ids, with one row per program so that each row takes its own path.
 """
 
-import math
-
 import pytest
 import torch
 from device_utils import on_device

@@ -51,8 +51,8 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 
 
 #: Fold the split merge into the attention kernel (the last split of a token's KV head merges
-#: all of them; no ``_merge_splits_kernel`` launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``: its GPU
-#: tests have not passed yet (session 8: the file timed out on the GPU, cause unknown).
+#: all of them; no ``_merge_splits_kernel`` launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``:
+#: its GPU tests have not passed yet (session 8: the file timed out on the GPU, cause unknown).
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
@@ -78,9 +78,8 @@ def pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len:
     cfg = attention._pick_config(num_reqs, num_kv_heads, group_pad, max_query_len,
                                  max_seq_len, block_d)
     if num_reqs == 1 and not attention.TRITON_INTERPRET:
-        bn = ONE_REQUEST_LAUNCH["block_n"]
-        cfg.update(ONE_REQUEST_LAUNCH,
-                   num_splits=max(1, min(ONE_REQUEST_LAUNCH["num_splits"], -(-max_seq_len // bn))))
+        tiles = triton.cdiv(max(max_seq_len, 1), ONE_REQUEST_LAUNCH["block_n"])
+        cfg.update(ONE_REQUEST_LAUNCH, num_splits=min(ONE_REQUEST_LAUNCH["num_splits"], tiles))
     return cfg
 
 

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mrv2.kernels.gumbel import (
+from mrv2.kernels.gumbel import gumbel_sample, gumbel_sample_ref
+from mrv2.kernels.gumbel_noise import (
     GREEDY_TEMPERATURE,
     _hash_words,
     _launch_options,
@@ -45,8 +46,6 @@ from mrv2.kernels.gumbel import (
     _row_keys,
     _row_keys_ref,
     _words_to_gumbel,
-    gumbel_sample,
-    gumbel_sample_ref,
     key_words_ref,
     words_to_gumbel_ref,
 )
