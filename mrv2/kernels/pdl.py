@@ -92,6 +92,13 @@ def _sm90_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def sm90_or_newer(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA device of compute capability >= 9.0 (Hopper's PTX:
+    ``griddepcontrol``, bulk L2 prefetch); asked once per device, so graph- and sync-safe."""
+    return device.type == "cuda" and _sm90_or_newer(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether a launch on ``device`` takes PDL: ``PDL_ENABLED`` and a CUDA device of compute
     capability >= 9.0 (asked once per device, so graph- and sync-safe).
@@ -102,8 +109,7 @@ def use_pdl(device: torch.device) -> bool:
     Returns:
         The value for the kernel's ``PDL`` constexpr and its ``launch_pdl`` option.
     """
-    return PDL_ENABLED and device.type == "cuda" and _sm90_or_newer(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return PDL_ENABLED and sm90_or_newer(device)
 
 
 def launch_kwargs(use: bool) -> dict:
