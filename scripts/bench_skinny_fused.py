@@ -11,9 +11,7 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
 * ``fused_pdl`` (``--pdl``): the same launched with programmatic dependent launch
   (``mrv2.kernels.pdl``, forced on whatever ``MRV2_PDL`` says, while ``fused`` and the
   others are forced off; Hopper only, so on the CPU smoke run it is the ``fused`` path
-  again), with ``equal_to_fused`` (bitwise);
-* ``fused_pdl_l2`` (``--l2``): ``fused_pdl`` with each kernel asking the next one's weight
-  into L2 as it starts (``mrv2.kernels.l2_prefetch``), also with ``equal_to_fused``.
+  again), with ``equal_to_fused`` (bitwise).
 
 ``--rows 4,8,32`` (3-64 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
 ``F.linear``, ``silu_and_mul``) with ``mrv2.kernels.small_m_fused``'s tensor-core ones
@@ -96,20 +94,16 @@ def _unfused(gemm):
     return run
 
 
-def _fused_with(ops, l2: bool = False):
-    """The fused decode layers with ``ops = (norm_linear, linear_add, norm_gate_up_silu)``;
-    ``l2``: each kernel asks the next one's weight into L2 (``mrv2.kernels.l2_prefetch``)."""
+def _fused_with(ops):
+    """The fused decode layers with ``ops = (norm_linear, linear_add, norm_gate_up_silu)``."""
     norm_linear, linear_add, norm_gate_up_silu = ops
 
     def run(h, attn, ws):
         h = h.clone()                                      # the chain adds into h in place
-        for i, w in enumerate(ws):
-            nxt = ws[i + 1]["qkv"] if l2 and i + 1 < len(ws) else None
-            pf = (lambda t: t if l2 else None)
-            norm_linear(h, w["ln1"], EPS, w["qkv"], prefetch=pf(w["o"]))
-            linear_add(attn, w["o"], h, prefetch=pf(w["gate_up"]))
-            act = norm_gate_up_silu(h, w["ln2"], EPS, w["gate_up"], prefetch=pf(w["down"]))
-            linear_add(act, w["down"], h, prefetch=nxt)
+        for w in ws:
+            norm_linear(h, w["ln1"], EPS, w["qkv"])
+            linear_add(attn, w["o"], h)
+            linear_add(norm_gate_up_silu(h, w["ln2"], EPS, w["gate_up"]), w["down"], h)
         return h
     return run
 
@@ -128,8 +122,7 @@ def _with_pdl(run, on: bool):
     return wrapped
 
 
-def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
-          with_l2: bool = False) -> list[dict]:
+def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> list[dict]:
     """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
@@ -146,10 +139,6 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
         runners = {label: _with_pdl(run, False) for label, run in runners.items()}
         if with_pdl:
             runners["fused_pdl"] = _with_pdl(fused, True)
-        if with_l2:
-            ops = small_m_fused.SKINNY_OPS if m <= skinny_fused.MODEL_MAX_M else \
-                small_m_fused.SMALL_M_OPS
-            runners["fused_pdl_l2"] = _with_pdl(_fused_with(ops, l2=True), True)
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
         attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
         results = {}
@@ -169,7 +158,7 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
                          "max_abs_diff_vs_unfused":
                              (results[label] - results["unfused"]).abs().max().item()
                              if "unfused" in results else None})
-            if label in ("fused_pdl", "fused_pdl_l2"):
+            if label == "fused_pdl":
                 rows[-1]["equal_to_fused"] = torch.equal(results[label], results["fused"])
         line = "  ".join(f"{r['runner']} {r['us_per_step']:7.1f} us" for r in rows[-len(results):])
         print(f"chain M={m} ({layers} layers, {mb:.0f} MB): {line}")
@@ -215,8 +204,6 @@ def main(argv: list[str] | None = None) -> dict:
                     "small_m_fused's tensor-core layers against cuBLAS's)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
-    ap.add_argument("--l2", action="store_true", help="also the PDL chain with each kernel "
-                    "prefetching the next one's weight into L2 (fused_pdl_l2)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
-              "chain": chain(ms, args.smoke, args.layers, args.pdl, args.l2),
+              "chain": chain(ms, args.smoke, args.layers, args.pdl),
               "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)
                           if args.sweep or args.smoke else [])}
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))

@@ -36,8 +36,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import (attention, decode_attention, l2_prefetch, pdl, rotary, skinny_fused,
-                          small_m_fused)
+from mrv2.kernels import attention, decode_attention, pdl, rotary, skinny_fused, small_m_fused
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
@@ -89,33 +88,26 @@ def _decode_launches(rows: int) -> None:
 
 def _gemm_launches(rows: int, ops) -> None:
     """A decode layer's four fused GEMMs, ``ops = (norm_linear, linear_add,
-    norm_gate_up_silu)`` (skinny_fused's or small_m_fused's), at ``rows`` tokens, each
-    asking the next one's weight into L2 (compiled in with ``--prefetch``)."""
+    norm_gate_up_silu)`` (skinny_fused's or small_m_fused's), at ``rows`` tokens."""
     bf = torch.bfloat16
     norm_linear, linear_add, norm_gate_up_silu = ops
     h, nw = torch.randn(rows, 1024, dtype=bf), torch.randn(1024, dtype=bf)
-    w = [torch.randn(n, k, dtype=bf) for n, k in ((4096, 1024), (1024, 2048), (6144, 1024),
-                                                   (1024, 3072))]
-    norm_linear(h, nw, 1e-6, w[0], prefetch=w[1])
-    linear_add(torch.randn(rows, 2048, dtype=bf), w[1], h, prefetch=w[2])
-    norm_gate_up_silu(h, nw, 1e-6, w[2], prefetch=w[3])
-    linear_add(torch.randn(rows, 3072, dtype=bf), w[3], h, prefetch=w[0])
+    norm_linear(h, nw, 1e-6, torch.randn(4096, 1024, dtype=bf))
+    linear_add(torch.randn(rows, 2048, dtype=bf), torch.randn(1024, 2048, dtype=bf), h)
+    norm_gate_up_silu(h, nw, 1e-6, torch.randn(6144, 1024, dtype=bf))
+    linear_add(torch.randn(rows, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf), h)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pdl", action="store_true", help="launch with PDL (PDL=True)")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="compile the fused GEMMs' L2 prefetch in (PREFETCH=True)")
     ap.add_argument("--out", required=True, help="folder for the PTX and cubin files")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pdl.use_pdl = lambda device: args.pdl                  # CPU tensors: force the choice
     pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
-    pdl.sm90_or_newer = lambda device: True                # (what the L2 prefetch asks)
-    l2_prefetch.ENABLED = args.prefetch
     attention._NUM_SMS = 132                               # the H200's picker
     caps = {}
     for mod, name in KERNELS:
@@ -140,14 +132,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             regs = [ln.split(":")[-1].strip() for ln in proc.stderr.splitlines()
                     if "registers" in ln]
             rows.append({"launch": f"{name}_{i}", "wait": ptx.count("griddepcontrol.wait"),
-                         "prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
                          "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
                          "launch_pdl": kernel.metadata.launch_pdl,
                          "ptxas": regs[0] if regs else proc.stderr[-200:]})
             r = rows[-1]
             print(f"{r['launch']:28s} wait {r['wait']} launch_dependents "
-                  f"{r['launch_dependents']} launch_pdl {r['launch_pdl']!s:5s} "
-                  f"L2 prefetch {r['prefetch']} {r['ptxas']}")
+                  f"{r['launch_dependents']} launch_pdl {r['launch_pdl']!s:5s} {r['ptxas']}")
     return rows
 
 

@@ -141,7 +141,7 @@ def _decode_logits(model, config, ids, positions, fused, monkeypatch):
     calls = []
     orig = qwen3.Qwen3DecoderLayer.forward_decode
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
-                        lambda self, *a, **kw: calls.append(1) or orig(self, *a, **kw))
+                        lambda self, *a: calls.append(1) or orig(self, *a))
     n = len(ids)
     with torch.device(DEVICE), torch.no_grad():
         qwen3.bind_kv_cache(model, [torch.zeros(qwen3.kv_cache_shape(config, 4, 16))
@@ -219,7 +219,7 @@ def test_swapped_modules_keep_the_unfused_path(monkeypatch):
     monkeypatch.setattr(skinny_fused, "ENABLED", True)
     calls = []
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
-                        lambda self, *a, **kw: calls.append(1))
+                        lambda self, *a: calls.append(1))
     with torch.device(DEVICE), torch.no_grad():
         qwen3.bind_kv_cache(model, [torch.zeros(qwen3.kv_cache_shape(config, 1, 16))
                                     for _ in range(config.num_hidden_layers)])
@@ -241,7 +241,7 @@ def test_llm_greedy_fused_decode_on_equals_off(monkeypatch):
     calls = []
     orig = qwen3.Qwen3DecoderLayer.forward_decode
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
-                        lambda self, *a, **kw: calls.append(1) or orig(self, *a, **kw))
+                        lambda self, *a: calls.append(1) or orig(self, *a))
     monkeypatch.setattr(skinny_fused, "ENABLED", False)  # NOTE: on a GPU it is on by default
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls
@@ -263,7 +263,7 @@ def test_draft_model_speculation_through_the_fused_decode_path(monkeypatch):
     calls = []
     orig = qwen3.Qwen3DecoderLayer.forward_decode
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
-                        lambda self, *a, **kw: calls.append(1) or orig(self, *a, **kw))
+                        lambda self, *a: calls.append(1) or orig(self, *a))
     monkeypatch.setattr(skinny_fused, "ENABLED", True)
     spec = {"method": "draft_model", "model": str(DEFAULT_MODEL_DIR) + "-draft",
             "num_speculative_tokens": 2}

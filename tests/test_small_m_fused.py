@@ -127,7 +127,7 @@ def _llm_tokens(llm, prompts, monkeypatch, on):
     calls = []
     orig = qwen3.Qwen3DecoderLayer.forward_decode
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
-                        lambda self, *a, **kw: calls.append(a[1].shape[0]) or orig(self, *a, **kw))
+                        lambda self, *a: calls.append(a[1].shape[0]) or orig(self, *a))
     monkeypatch.setattr(small_m_fused, "ENABLED", on)
     monkeypatch.setattr(skinny_fused, "ENABLED", False)       # NOTE: on a GPU it is on
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5)

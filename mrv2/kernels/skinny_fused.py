@@ -53,9 +53,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import l2_prefetch, pdl, skinny_gemm
+from mrv2.kernels import pdl, skinny_gemm
 from mrv2.kernels.activation import silu_and_mul_ref
-from mrv2.kernels.l2_prefetch import prefetch_next
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
@@ -127,14 +126,11 @@ _store_body = interpreter_body(store_output)
 def _skinny_fused_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
     out_ptr,                                            # output [M, N] (may BE residual)
-    pf_ptr, PF_BYTES,                                   # the next kernel's weight (L2)
     M, N, K, eps,                                       # sizes (N: output columns)
     stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
     NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PF_CHUNK: tl.constexpr = 256,
-    PF_THREADS: tl.constexpr = 128,
 ):
     # One program: BLOCK_N output columns for all M (<= BLOCK_M) rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
@@ -160,8 +156,6 @@ def _skinny_fused_kernel(
             b0 = tl.load(bias_ptr + n, mask=n_mask, other=0.0)               # [BN]
             if GATE_UP:
                 bu0 = tl.load(bias_ptr + N + n, mask=n_mask, other=0.0)
-        if PREFETCH:  # the next kernel's weight into L2 (reads weights only: before the wait)
-            prefetch_next(pf_ptr, PF_BYTES, PF_CHUNK, PF_THREADS)
         # NOTE: every program waits (no early return), so a later kernel's wait covers this
         # one's predecessors too. Nothing is read from x / residual or written before it.
         if GDC_CALLS:
@@ -172,8 +166,6 @@ def _skinny_fused_kernel(
             # before the wait: then kernel i+2 could launch while kernel i still runs, and a
             # cascade of waiting grids would hold registers and bandwidth.
             gdc_launch_dependents()
-    elif PREFETCH:
-        prefetch_next(pf_ptr, PF_BYTES, PF_CHUNK, PF_THREADS)
 
     # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is tiny).
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
@@ -290,7 +282,7 @@ def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None,
 
 
 def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_n,
-         block_k, num_warps, prefetch=None):
+         block_k, num_warps):
     M, K = x.shape
     if M == 0 or N == 0:
         return out
@@ -301,18 +293,15 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     opts = {} if TRITON_INTERPRET else {"num_warps": nw}
     opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
-    grid = triton.cdiv(N, bn)
-    pf = l2_prefetch.prefetch_args(prefetch, grid, nw, weight)
-    _skinny_fused_kernel[(grid,)](
+    _skinny_fused_kernel[(triton.cdiv(N, bn),)](
         x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, r,
-        out, pf["pf_ptr"], pf["PF_BYTES"],
+        out,
         M, N, K, float(eps),
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, PREFETCH=pf["PREFETCH"],
-        PF_CHUNK=pf["PF_CHUNK"], PF_THREADS=32 * nw, **opts)
+        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **opts)
     return out
 
 
@@ -321,8 +310,7 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
 def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        block_n: int | None = None, block_k: int | None = None,
-                       num_warps: int | None = None, prefetch: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       num_warps: int | None = None) -> torch.Tensor:
     """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` in one weight stream.
 
     Args:
@@ -330,8 +318,6 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
         weight: ``[N, K]``, last dim contiguous, x's dtype; bias: optional ``[N]``.
         block_n, block_k, num_warps: launch overrides (the sweep's knobs).
-        prefetch: the weight the NEXT kernel streams, asked into L2 while this one runs
-            (``mrv2.kernels.l2_prefetch``; a hint: the result is the same without it).
 
     Returns:
         A new ``[M, N]`` tensor in x's dtype.
@@ -339,35 +325,33 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     _check("skinny_norm_linear", x, weight, bias, weight.shape[0], norm_weight)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     return _run(x, norm_weight, eps, weight, bias, None, out, weight.shape[0], gate_up=False,
-                block_n=block_n, block_k=block_k, num_warps=num_warps, prefetch=prefetch)
+                block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
 def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                       bias: torch.Tensor | None = None, *, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int | None = None,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      block_k: int | None = None, num_warps: int | None = None
+                      ) -> torch.Tensor:
     """``residual += F.linear(x, weight, bias)``, in place, in one weight stream.
 
     Args:
         x: ``[M, K]`` (M <= MAX_M), last dim contiguous, not sharing memory with residual.
         weight: ``[N, K]``, last dim contiguous; bias: optional ``[N]``.
         residual: ``[M, N]`` in x's dtype, last dim contiguous: overwritten with the sum.
-        block_n, block_k, num_warps: launch overrides; prefetch: as skinny_norm_linear's.
+        block_n, block_k, num_warps: launch overrides.
 
     Returns:
         ``residual`` itself (the product is rounded to the dtype, then added: as torch).
     """
     _check("skinny_linear_add", x, weight, bias, weight.shape[0], residual=residual)
     return _run(x, None, 0.0, weight, bias, residual, residual, weight.shape[0],
-                gate_up=False, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                prefetch=prefetch)
+                gate_up=False, block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
 def skinny_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
                              *, block_n: int | None = None, block_k: int | None = None,
-                             num_warps: int | None = None,
-                             prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                             num_warps: int | None = None) -> torch.Tensor:
     """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``.
 
     Args:
@@ -375,7 +359,7 @@ def skinny_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
         norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
         gate_up_weight: ``[2I, K]`` packed (rows ``0..I-1`` gate_proj, ``I..2I-1``
             up_proj), last dim contiguous; bias: optional ``[2I]`` packed the same way.
-        block_n, block_k, num_warps: launch overrides; prefetch: as skinny_norm_linear's.
+        block_n, block_k, num_warps: launch overrides.
 
     Returns:
         A new ``[M, I]`` tensor in x's dtype (the MLP's activation, down_proj's input).
@@ -388,4 +372,4 @@ def skinny_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
     inter = gate_up_weight.shape[0] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     return _run(x, norm_weight, eps, gate_up_weight, bias, None, out, inter, gate_up=True,
-                block_n=block_n, block_k=block_k, num_warps=num_warps, prefetch=prefetch)
+                block_n=block_n, block_k=block_k, num_warps=num_warps)

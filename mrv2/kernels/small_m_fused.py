@@ -46,8 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import l2_prefetch, pdl, skinny_fused
-from mrv2.kernels.l2_prefetch import prefetch_next
+from mrv2.kernels import pdl, skinny_fused
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_fused import _round_product_body, _store_body
@@ -116,14 +115,12 @@ _w_tiles_body = interpreter_body(_w_tiles)
 def _small_m_fused_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
     out_ptr,                                            # output [M, N] (may BE residual)
-    pf_ptr, PF_BYTES,                                   # the next kernel's weight (L2)
     M, N, K, eps,                                       # sizes (N: output columns)
     stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
     NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    PF_CHUNK: tl.constexpr = 256, PF_THREADS: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
 ):
     # One program: BLOCK_N output columns x BLOCK_M rows; grid (column blocks, row blocks).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
@@ -139,13 +136,9 @@ def _small_m_fused_kernel(
     if PDL:
         # Before the wait, only weights (no earlier kernel writes them): the first tile(s).
         w0, wu0 = _w_tiles_body(w_ptrs, 0, K, kk, up_off, GATE_UP, EVEN_K)
-        if PREFETCH:  # the next kernel's weight into L2 (mrv2/kernels/l2_prefetch.py)
-            prefetch_next(pf_ptr, PF_BYTES, PF_CHUNK, PF_THREADS)
         if GDC_CALLS:  # NOTE: every program waits; the contract of mrv2/kernels/pdl.py
             gdc_wait()
             gdc_launch_dependents()
-    elif PREFETCH:
-        prefetch_next(pf_ptr, PF_BYTES, PF_CHUNK, PF_THREADS)
 
     # Prologue: each row's inverse RMS over ALL of K (every program repeats it; x is small).
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)                               # [BM]
@@ -187,8 +180,7 @@ def _small_m_fused_kernel(
                 stride_om, ADD_RESIDUAL)
 
 
-def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, config,
-         prefetch=None):
+def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, config):
     if weight.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name} takes fp32, bf16 or fp16 x and a weight of x's dtype, got "
                          f"{x.dtype} and {weight.dtype}")
@@ -209,24 +201,20 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
-    pf = l2_prefetch.prefetch_args(prefetch, grid[0] * grid[1], cfg["num_warps"], weight)
-    _small_m_fused_kernel[grid](
+    _small_m_fused_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, r, out, pf["pf_ptr"], pf["PF_BYTES"],
+        bias if bias is not None else weight, r, out,
         M, N, K, float(eps),
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=even_k, PDL=use_pdl, PREFETCH=pf["PREFETCH"],
-        PF_CHUNK=pf["PF_CHUNK"], PF_THREADS=32 * cfg["num_warps"], **opts)
+        BLOCK_K=bk, EVEN_K=even_k, PDL=use_pdl, **opts)
     return out
 
 
 def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        config: dict | None = None, prefetch: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        config: dict | None = None) -> torch.Tensor:
     """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` for <= 64 rows, one stream.
 
     Args:
@@ -235,8 +223,6 @@ def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         weight: ``[N, K]``, last dim contiguous, x's dtype; bias: optional ``[N]``.
         config: launch overrides (``block_m``, ``block_n``, ``block_k``, ``num_warps``,
             ``num_stages``; the GPU sweep's knobs).
-        prefetch: the weight the NEXT kernel streams, asked into L2 while this one runs
-            (``mrv2.kernels.l2_prefetch``; a hint: the result is the same without it).
 
     Returns:
         A new ``[M, N]`` tensor in x's dtype.
@@ -245,19 +231,19 @@ def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         max_m=MAX_M)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     return _run("small_m_norm_linear", x, norm_weight, eps, weight, bias, None, out,
-                weight.shape[0], gate_up=False, config=config, prefetch=prefetch)
+                weight.shape[0], gate_up=False, config=config)
 
 
 def small_m_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                       bias: torch.Tensor | None = None, *, config: dict | None = None,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, *, config: dict | None = None
+                       ) -> torch.Tensor:
     """``residual += F.linear(x, weight, bias)``, in place, for <= 64 rows, one stream.
 
     Args:
         x: ``[M, K]`` (M <= 64), last dim contiguous, not sharing memory with residual.
         weight: ``[N, K]``, last dim contiguous; bias: optional ``[N]``.
         residual: ``[M, N]`` in x's dtype, last dim contiguous: overwritten with the sum.
-        config: launch overrides; prefetch: as small_m_norm_linear's.
+        config: launch overrides.
 
     Returns:
         ``residual`` itself (the product is rounded to the dtype, then added: as torch).
@@ -265,13 +251,12 @@ def small_m_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
     skinny_fused._check("small_m_linear_add", x, weight, bias, weight.shape[0],
                         residual=residual, max_m=MAX_M)
     return _run("small_m_linear_add", x, None, 0.0, weight, bias, residual, residual,
-                weight.shape[0], gate_up=False, config=config, prefetch=prefetch)
+                weight.shape[0], gate_up=False, config=config)
 
 
 def small_m_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
-                              *, config: dict | None = None,
-                              prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                              *, config: dict | None = None) -> torch.Tensor:
     """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``, <= 64 rows.
 
     Args:
@@ -279,7 +264,7 @@ def small_m_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
         norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
         gate_up_weight: ``[2I, K]`` packed (rows ``0..I-1`` gate_proj, ``I..2I-1`` up_proj);
             bias: optional ``[2I]`` packed the same way.
-        config: launch overrides; prefetch: as small_m_norm_linear's.
+        config: launch overrides.
 
     Returns:
         A new ``[M, I]`` tensor in x's dtype (the MLP's activation, down_proj's input).
@@ -292,7 +277,7 @@ def small_m_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: f
     inter = gate_up_weight.shape[0] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     return _run("small_m_norm_gate_up_silu", x, norm_weight, eps, gate_up_weight, bias, None,
-                out, inter, gate_up=True, config=config, prefetch=prefetch)
+                out, inter, gate_up=True, config=config)
 
 
 #: The fused decode GEMMs ``(norm_linear, linear_add, norm_gate_up_silu)`` per row range.

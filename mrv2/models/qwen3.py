@@ -351,18 +351,14 @@ class Qwen3DecoderLayer(nn.Module):
                 and isinstance(self.post_attention_layernorm, Qwen3RMSNorm))
 
     def forward_decode(self, positions: torch.Tensor, h: torch.Tensor,
-                       ops: tuple | None = None, next_weight: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       ops: tuple | None = None) -> torch.Tensor:
         """The same block for a decode-sized batch (mrv2/kernels/skinny_fused.py): 4 GEMM
-        kernels with the norms, residual adds and SiLU * up fused in. Each asks the next
-        one's weight into L2 while it runs (mrv2/kernels/l2_prefetch.py).
+        kernels with the norms, residual adds and SiLU * up fused in.
 
         Args:
             positions: ``[T]``; h: ``[T, hidden]`` the residual stream, UPDATED IN PLACE.
             ops: the fused ``(norm_linear, linear_add, norm_gate_up_silu)`` to use
                 (``fused_decode_ops``; default skinny_fused's, for 1-2 rows).
-            next_weight: the weight the kernel after this layer streams (the next layer's
-                packed qkv), for the last GEMM's L2 prefetch; None: no prefetch there.
 
         Returns:
             ``h`` (now ``x + attn(norm(x)) + mlp(norm(...))``).
@@ -370,20 +366,13 @@ class Qwen3DecoderLayer(nn.Module):
         norm_linear, linear_add, norm_gate_up_silu = ops or SKINNY_OPS
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        w_gate_up = mlp._packed["gate_up"][0]
-        qkv = norm_linear(h, ln1.weight, ln1.variance_epsilon, *attn._packed["qkv"],
-                          prefetch=attn.o_proj.weight)                 # [T, (H + 2 H_kv) D]
+        qkv = norm_linear(h, ln1.weight, ln1.variance_epsilon,
+                          *attn._packed["qkv"])                        # [T, (H + 2 H_kv) D]
         out = attn.attend(positions, qkv)                                  # [T, H * D]
-        h = linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias,
-                       prefetch=w_gate_up)                                 # h += o_proj
-        act = norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon, *mlp._packed["gate_up"],
-                                prefetch=mlp.down_proj.weight)             # [T, inter]
-        return linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias,
-                          prefetch=next_weight)
-
-    def qkv_weight(self) -> torch.Tensor:
-        """The packed ``[(H + 2 H_kv) D, hidden]`` weight this layer's first GEMM streams."""
-        return self.self_attn._packed["qkv"][0]
+        h = linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)       # h += o_proj
+        act = norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon,
+                                *mlp._packed["gate_up"])                   # [T, inter]
+        return linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias)
 
 
 class Qwen3Model(nn.Module):
@@ -419,10 +408,8 @@ class Qwen3Model(nn.Module):
             # NOTE: never into a caller's inputs_embeds (embed_tokens' output is fresh).
             if inputs_embeds is not None:
                 h = h.clone(memory_format=torch.contiguous_format)
-            layers = list(self.layers)
-            for i, layer in enumerate(layers):
-                nxt = layers[i + 1].qkv_weight() if i + 1 < len(layers) else None
-                h = layer.forward_decode(positions, h, ops, next_weight=nxt)
+            for layer in self.layers:
+                h = layer.forward_decode(positions, h, ops)
             return self.norm(h)                                                 # [T, hidden]
         residual = None
         for layer in self.layers:
