@@ -100,7 +100,9 @@ def test_folded_merge_equals_the_merge_kernel(cfg, monkeypatch):
             assert torch.equal(out[:len(CTX)], outs[fold][:len(CTX)])  # the second launch
         outs[fold] = out
     torch.testing.assert_close(outs[True][:len(CTX)], outs[False][:len(CTX)], **TOL)
-    assert int(decode_attention._COUNTERS[torch.device(DEVICE)].abs().sum()) == 0
+    # NOTE: keyed by the tensors' device (cuda:0 on a GPU), whatever DEVICE spells
+    assert decode_attention._COUNTERS
+    assert all(int(c.abs().sum()) == 0 for c in decode_attention._COUNTERS.values())
 
 
 def test_bad_input_raises_before_work():

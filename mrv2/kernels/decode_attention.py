@@ -52,7 +52,11 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 
 #: Fold the split merge into the attention kernel (the last split of a token's KV head merges
 #: all of them; no ``_merge_splits_kernel`` launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``:
-#: its GPU tests have not passed yet (session 8: the file timed out on the GPU, cause unknown).
+#: its GPU tests pass (session 9, job B: the file's 27 tests take 79 s; session 8's timeout
+#: was that 100 s limit, plus a test that looked its counters up under the wrong device
+#: key), but it is slower: TPOT at batch 4 1.030 -> 1.217 ms, batch 1 unchanged (1.679 ->
+#: 1.642 with the persistent tail on), ``bench latency`` in one job. The merge's atomics and
+#: the last split's extra pass cost more than the launch they save.
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
