@@ -54,6 +54,14 @@ def test_newest_by_the_date_inside_not_the_name(tmp_path):
     assert newest_result("decode_profile", folder=tmp_path)[0].name == "m_both.json"
 
 
+def test_experiment_runs_are_never_the_figure(tmp_path):
+    """A variant run kept as evidence (``"experiment": true``) is skipped however new."""
+    _write(tmp_path, "default.json", _latency("2026-11-01"))
+    _write(tmp_path, "variant.json", {**_latency("2026-12-09"), "experiment": True})
+    path, _ = newest_result("latency", workload="standard", runners=("v2",), folder=tmp_path)
+    assert path.name == "default.json"
+
+
 def test_latency_filters_workload_runners_speculation_graph_mode_and_cpu_runs(tmp_path):
     _write(tmp_path, "plain.json", _latency("2026-11-01"))
     _write(tmp_path, "spec.json", _latency("2026-12-05", speculative="ngram"))

@@ -79,8 +79,12 @@ def matches(res: dict, kind: str, workload: str | None = None,
             Only the plain CUDA-graph mode counts for throughput / latency (no
             ``--cudagraph-mode`` override).
         gpu_only: skip CPU (``--tiny``) runs.
+
+    A result marked ``"experiment": true`` (a variant run kept as the evidence for a
+    decision, e.g. a path measured and left off) never matches: the book plots the
+    project's default path.
     """
-    if kind not in kinds_of(res) or (gpu_only and not _on_gpu(res)):
+    if res.get("experiment") or kind not in kinds_of(res) or (gpu_only and not _on_gpu(res)):
         return False
     if kind in ("decode_steps", "decode_profile"):
         return True
