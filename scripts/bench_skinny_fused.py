@@ -11,7 +11,10 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
 * ``fused_pdl`` (``--pdl``): the same launched with programmatic dependent launch
   (``mrv2.kernels.pdl``, forced on whatever ``MRV2_PDL`` says, while ``fused`` and the
   others are forced off; Hopper only, so on the CPU smoke run it is the ``fused`` path
-  again), with ``equal_to_fused`` (bitwise).
+  again), with ``equal_to_fused`` (bitwise);
+* ``persistent`` (``--persistent``, 1-2 rows): the first qkv, then one
+  ``mrv2.kernels.persistent_layer.layer_tail`` launch a layer (o_proj, gate_up, down and the
+  next qkv as stages of one grid, PDL on), also with ``equal_to_fused``.
 
 ``--rows 4,8,32`` (3-64 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
 ``F.linear``, ``silu_and_mul``) with ``mrv2.kernels.small_m_fused``'s tensor-core ones
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from mrv2.kernels import pdl, skinny_fused, small_m_fused
+from mrv2.kernels import pdl, persistent_layer, skinny_fused, small_m_fused
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -111,6 +114,18 @@ def _fused_with(ops):
 _fused = _fused_with(small_m_fused.SKINNY_OPS)
 
 
+def _persistent(h, attn, ws):
+    """The same chain as the model's persistent decode path runs it: the first qkv, then
+    one ``layer_tail`` launch a layer (o_proj, gate_up, down, the next layer's qkv)."""
+    h = h.clone()
+    skinny_fused.skinny_norm_linear(h, ws[0]["ln1"], EPS, ws[0]["qkv"])
+    for i, w in enumerate(ws):
+        nxt = ws[i + 1] if i + 1 < len(ws) else None
+        persistent_layer.layer_tail(attn, h, w["o"], w["ln2"], EPS, w["gate_up"], w["down"],
+                                    nxt and nxt["ln1"], EPS, nxt and nxt["qkv"])
+    return h
+
+
 def _with_pdl(run, on: bool):
     """``run`` with PDL forced on or off (``pdl.PDL_ENABLED`` is read at each launch)."""
     def wrapped(*args):
@@ -122,7 +137,8 @@ def _with_pdl(run, on: bool):
     return wrapped
 
 
-def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> list[dict]:
+def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
+          with_persistent: bool = False) -> list[dict]:
     """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
@@ -139,6 +155,8 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> li
         runners = {label: _with_pdl(run, False) for label, run in runners.items()}
         if with_pdl:
             runners["fused_pdl"] = _with_pdl(fused, True)
+        if with_persistent and m <= persistent_layer.MAX_M:
+            runners["persistent"] = _with_pdl(_persistent, True)
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
         attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
         results = {}
@@ -158,10 +176,55 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False) -> li
                          "max_abs_diff_vs_unfused":
                              (results[label] - results["unfused"]).abs().max().item()
                              if "unfused" in results else None})
-            if label == "fused_pdl":
+            if label in ("fused_pdl", "persistent"):
                 rows[-1]["equal_to_fused"] = torch.equal(results[label], results["fused"])
         line = "  ".join(f"{r['runner']} {r['us_per_step']:7.1f} us" for r in rows[-len(results):])
         print(f"chain M={m} ({layers} layers, {mb:.0f} MB): {line}")
+    return rows
+
+
+#: The persistent tail's knobs the sweep walks (the first is the default).
+PERSISTENT_CONFIGS = (
+    {}, {"slots": 1}, {"sleep": 100}, {"sleep": 500}, {"per_sm": 1}, {"per_sm": 2},
+    {"per_sm": 4}, {"launch": (8, 1024, 4)},
+    {"launch": (4, 1024, 8), "per_sm": 4}, {"launch": (16, 1024, 8), "per_sm": 4},
+    {"launch": (4, 512, 4)})
+
+
+def persistent_sweep(smoke: bool, layers: int) -> list[dict]:
+    """The 28-layer chain at M = 1 through ``layer_tail`` under each of
+    ``PERSISTENT_CONFIGS`` (barrier slots / poll sleep, programs a SM, launch)."""
+    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
+    ws = _weights(layers, div, dev, dt)
+    h = torch.randn(1, HIDDEN // div, device=dev, dtype=dt)
+    attn = torch.randn(1, ATTN // div, device=dev, dtype=dt)
+    pl = persistent_layer
+    saved = (dict(pl.BARRIER), pl.MAX_PROGRAMS_PER_SM, pl.LAUNCH)
+    rows = []
+    try:
+        for cfg in PERSISTENT_CONFIGS:
+            pl.BARRIER = {"slots": cfg.get("slots", saved[0]["slots"]),
+                          "sleep": cfg.get("sleep", saved[0]["sleep"])}
+            pl.MAX_PROGRAMS_PER_SM = cfg.get("per_sm", saved[1])
+            pl.LAUNCH = cfg.get("launch", saved[2])
+            pl._GRIDS.clear()
+            run = _with_pdl(_persistent, True)
+            out = run(h, attn, ws)
+            us = 0.0
+            if not smoke:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run(h, attn, ws)
+                us = _time_us(graph.replay, smoke)
+            grid = next(iter(pl._GRIDS.values()), None)
+            rows.append({"config": {k: list(v) if isinstance(v, tuple) else v
+                                    for k, v in cfg.items()}, "grid": grid, "us_per_step": us,
+                         "h_sum": out.float().sum().item()})
+            print(f"persistent {cfg}: grid {grid} {us:7.1f} us")
+    finally:
+        pl.BARRIER, pl.MAX_PROGRAMS_PER_SM, pl.LAUNCH = saved
+        pl._GRIDS.clear()
     return rows
 
 
@@ -204,6 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "small_m_fused's tensor-core layers against cuBLAS's)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
+    ap.add_argument("--persistent", action="store_true", help="also the chain as one "
+                    "persistent launch a layer (mrv2.kernels.persistent_layer, PDL on)")
+    ap.add_argument("--persistent-sweep", action="store_true",
+                    help="the persistent chain at M = 1 under each PERSISTENT_CONFIGS entry")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
     args = ap.parse_args(argv)
     if not HAS_CUDA and not args.smoke:
@@ -214,9 +281,11 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
-              "chain": chain(ms, args.smoke, args.layers, args.pdl),
+              "chain": chain(ms, args.smoke, args.layers, args.pdl, args.persistent),
               "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)
-                          if args.sweep or args.smoke else [])}
+                          if args.sweep or args.smoke else []),
+              "persistent_sweep": (persistent_sweep(args.smoke, args.layers)
+                                   if args.persistent_sweep or args.smoke else [])}
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report

@@ -31,6 +31,7 @@ from mrv2.kernels.layernorm import (
 from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
 from mrv2.kernels.skinny_gemm import Linear, linear
 from mrv2.kernels.small_m_fused import SKINNY_OPS, fused_decode_ops
+from mrv2.models.qwen3_persistent import forward_decode_persistent, use_persistent_decode
 from mrv2.platform import TRITON_INTERPRET
 
 #: Fused Triton kernels for the norms (+ residual add), q/k-norm + RoPE and SiLU * up.
@@ -408,6 +409,9 @@ class Qwen3Model(nn.Module):
             # NOTE: never into a caller's inputs_embeds (embed_tokens' output is fresh).
             if inputs_embeds is not None:
                 h = h.clone(memory_format=torch.contiguous_format)
+            if ops is SKINNY_OPS and use_persistent_decode(self.layers, h):
+                # 1-2 rows: 2 launches a layer (mrv2/models/qwen3_persistent.py)
+                return self.norm(forward_decode_persistent(self.layers, positions, h))
             for layer in self.layers:
                 h = layer.forward_decode(positions, h, ops)
             return self.norm(h)                                                 # [T, hidden]
