@@ -83,6 +83,11 @@ def test_bad_input_raises_before_work():
                    w["wq"].t())
     with pytest.raises(ValueError, match="w_down must be"):
         layer_tail(attn, h, w["wo"], w["ln2"], 1e-6, w["gu"], w["wd"].double())
+    for bad in ({"slots": 0, "sleep": 0}, {"slots": persistent_layer.MAX_SLOTS + 1, "sleep": 0}):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(persistent_layer, "BARRIER", bad)
+            with pytest.raises(ValueError, match="BARRIER needs"):
+                layer_tail(attn, h, w["wo"], w["ln2"], 1e-6, w["gu"], w["wd"])
     assert torch.equal(h, h0)                                     # nothing was written
 
 

@@ -314,6 +314,9 @@ def layer_tail(attn: torch.Tensor, h: torch.Tensor, wo: torch.Tensor, ln2_w: tor
                              f"contiguous; got {got}")
     if not 1 <= M <= MAX_M:
         raise ValueError(f"layer_tail takes 1-{MAX_M} rows, got {M}")
+    if not 1 <= BARRIER["slots"] <= MAX_SLOTS or BARRIER["sleep"] < 0:
+        raise ValueError(f"persistent_layer.BARRIER needs 1-{MAX_SLOTS} slots and a sleep "
+                         f">= 0 ns, got {BARRIER}")
     act = torch.empty(M, inter, dtype=h.dtype, device=h.device)
     Q = next_w_qkv.shape[0] if has_next else 1
     qkv = torch.empty(M, Q, dtype=h.dtype, device=h.device)
