@@ -1,0 +1,35 @@
+"""``scripts/profile_sampler_kernels.py`` in smoke mode (CPU, tiny, no timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from mrv2.platform import TRITON_INTERPRET
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "profile_sampler_kernels", ROOT / "scripts" / "profile_sampler_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not TRITON_INTERPRET, reason="the smoke run uses CPU tensors")
+def test_smoke_writes_the_report_and_the_rounds_close(tmp_path):
+    out = tmp_path / "k.json"
+    report = _script().main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    (pt,) = report["points"]
+    rounds = pt["open_rows_per_round"]
+    assert len(rounds) == 8 and rounds[0] <= report["shape"]["rows"]
+    assert all(a >= b for a, b in itertools.pairwise(rounds)) and rounds[-1] == 0
+    # top-k 20 of random logits (no ties): at most 20 survive, and the top token always
+    assert 1 <= pt["kept_per_row"]["min"] and pt["kept_per_row"]["max"] <= 20
