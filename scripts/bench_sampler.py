@@ -180,7 +180,9 @@ def sweep(num_rows: int, vocab: int, dtype: torch.dtype, smoke: bool,
     c_cfgs = ([] if gumbel_only else [(64, 256, 16, None)] if smoke else
               [(bv, cv, np_, nw) for bv, cv in ((256, 2048), (128, 4096), (256, 4096),
                                                 (512, 4096)) for np_ in (16, 32)
-               for nw in (4, 8)])
+               for nw in (4, 8, 16)])
+    # NOTE: 16 warps since session 9: bf16's _count_kernel takes 118 registers at 8 warps
+    # (fp32: 80) and 64 at 16 (Triton 3.6, sm_90a, ptxas offline), a lead for its 2x cost.
     for bv, cv, np_, nw in c_cfgs:
         ws = top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=bv, chunk_v=cv,
                                    num_pivots=np_)
