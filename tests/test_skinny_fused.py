@@ -51,7 +51,8 @@ def _inputs(M, N, K, bias, seed, rows=1):
 @pytest.fixture(autouse=True)
 def _per_gemm_path(monkeypatch):
     """These tests are about the per-GEMM fused layers: the persistent one-launch tail
-    (on by default on Hopper; tests/test_persistent_layer.py) is off here."""
+    (opt-in, ``MRV2_PERSISTENT_DECODE=1``; tests/test_persistent_layer.py) stays off here
+    whatever the environment says."""
     monkeypatch.setattr(persistent_layer, "ENABLED", False)
 
 

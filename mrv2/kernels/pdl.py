@@ -94,7 +94,7 @@ def _sm90_or_newer(index: int) -> bool:
 
 def sm90_or_newer(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA device of compute capability >= 9.0 (Hopper's PTX:
-    ``griddepcontrol``, bulk L2 prefetch); asked once per device, so graph- and sync-safe."""
+    ``griddepcontrol``, the persistent layer tail); asked once per device, so graph- and sync-safe."""
     return device.type == "cuda" and _sm90_or_newer(
         device.index if device.index is not None else torch.cuda.current_device())
 

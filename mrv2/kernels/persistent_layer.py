@@ -44,22 +44,20 @@ as it made the per-GEMM chain (685 vs 654 us; TPOT b1 0.918 -> 0.955 ms): at bat
 boundary, not DRAM, is the cost. Beating the per-kernel chain needs fewer sync points a
 layer or warp-specialised weight streaming that does not stop at them.
 
-Under the interpreter (programs run one after another, a barrier would never open) and with
-``MRV2_PERSISTENT_DECODE=0`` the same kernel runs one stage per launch (``STAGE`` = 0-3):
-the GPU test checks the persistent launch is bitwise that. For 1-2 rows (``skinny_fused``'s
+Under the interpreter (programs run one after another, a barrier would never open), off
+sm_90+ CUDA devices and with ``STAGED`` set (tests) the same kernel runs one stage per
+launch (``STAGE`` = 0-3): the GPU test checks the persistent launch is bitwise that. For 1-2 rows (``skinny_fused``'s
 range), on sm_90+ GPUs; the torch reference is the chain of skinny_fused references.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_fused
+from mrv2.kernels import attention, pdl, skinny_fused
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_fused import _round_product_body
@@ -274,11 +272,6 @@ def programs_per_sm(n_regs: int, shared: int, num_warps: int) -> int:
     return max(0, min(by_regs, by_threads, by_smem, 32, MAX_PROGRAMS_PER_SM))
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def layer_tail(attn: torch.Tensor, h: torch.Tensor, wo: torch.Tensor, ln2_w: torch.Tensor,
                eps: float, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                next_ln1_w: torch.Tensor | None = None, next_eps: float = 0.0,
@@ -363,6 +356,5 @@ def _grid(device, nw, args, const, use_pdl) -> int:
         if per_sm < 1:
             raise RuntimeError(f"layer_tail: {kernel.n_regs} registers a thread leave no "
                                "room for one program a SM")
-        _GRIDS[key] = per_sm * _num_sms(device.index if device.index is not None
-                                        else torch.cuda.current_device())
+        _GRIDS[key] = per_sm * attention._num_sms()
     return _GRIDS[key]

@@ -1,7 +1,7 @@
 """Qwen3's 1-2-row decode forward as two launches a layer (mrv2/kernels/persistent_layer.py).
 
 ``Qwen3Model.forward`` takes this path for a decode batch of 1-2 tokens on a Hopper GPU
-(``persistent_layer.ENABLED``; ``MRV2_PERSISTENT_DECODE=0`` turns it off) when no linear
+(``persistent_layer.ENABLED``: off by default, ``MRV2_PERSISTENT_DECODE=1`` turns it on) when no linear
 after attention has a bias (Qwen3's layout): the first layer's norm + qkv, then per layer
 
     attention      q/k-norm + RoPE + KV write + paged attention (one or two kernels)
