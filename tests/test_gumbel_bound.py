@@ -25,9 +25,10 @@ gumbel_sample = on_device(gumbel_sample)
 
 def _bound(hi: torch.Tensor) -> torch.Tensor:
     """The kernel's per-logit bound on g, in float64 (exact logs): -log(E_lb), E_lb the larger
-    of ~hi / 2**32 (floored) and -log(u_up) - 1e-5, u_up = (top 23 bits of hi + 1) / 2**23."""
-    e_small = (hi ^ 0xFFFFFFFF).to(torch.float64).clamp(min=2.0 ** -34) * 2.0 ** -32
+    of 1 - u_up (floored at 2**-66) and -log(u_up) - 1e-5, u_up = (top 23 bits of hi + 1) /
+    2**23."""
     u_up = ((hi >> 9) + 1).to(torch.float64) * 2.0 ** -23
+    e_small = (1.0 - u_up).clamp(min=2.0 ** -66)
     return -torch.maximum(e_small, -u_up.log() - 1e-5).log()
 
 
@@ -45,12 +46,17 @@ def test_bound_holds_on_extreme_and_random_words():
     gum = words_to_gumbel_ref(hi, lo).double()
     # the kernel's slack is 1e-4 + 2**-18 * (|best| + 92): the bound alone needs far less
     assert (gum <= _bound(hi) + 2e-5).all()
-    # and it is tight: at the top of g within log(1 + 1 / ~hi) (the unseen lo) + 1e-3, and
-    # elsewhere within 3e-3 (the 1e-5 margin on E ~ 0.01, the 9 low bits of hi u_up drops)
+    # and it is tight: at the top of g within log(1 + 1 / j) + 1e-3, j = ~hi >> 9 the
+    # distance of hi's top 23 bits from all ones (1 - u_up = j / 2**23 while 1 - u < (j + 1)
+    # / 2**23), and elsewhere within 3e-3 (the 1e-5 margin on E ~ 0.01, the 9 low bits of hi
+    # u_up drops). j = 0 (u_up = 1, one logit in 2**23) takes the floor: its bound wins its
+    # block, so that logit gets its exact score (the fallback tests below cover the paths).
     hi_c = (hi ^ 0xFFFFFFFF).double()
-    top = (hi_c >= 1) & (hi_c < 2**20)
+    j = (hi ^ 0xFFFFFFFF) >> 9
+    top = (j >= 1) & (hi_c < 2**20)
     assert top.sum() > 10
-    assert ((_bound(hi) - gum)[top] <= torch.log1p(1 / hi_c[top]) + 1e-3).all()
+    assert ((_bound(hi) - gum)[top] <= torch.log1p(1 / j[top].double()) + 1e-3).all()
+    assert (_bound(hi)[j == 0] >= 45.0).all() and (j == 0).sum() >= 10
     rest = (hi_c >= 2**20) & (hi >= 2**24)           # below u ~ 2**-8 g never wins
     assert ((_bound(hi) - gum)[rest] <= 3e-3).all()
     # the one-word bound of before (E >= ~hi / 2**32 only) was loose by ~0.42 on average

@@ -16,10 +16,11 @@ tokens alone, in a batch of 256, at any batch slot, with any padding. Per-row kn
 an exactly rounded fp32 -log(-log(u))) is ``mrv2/kernels/gumbel_noise.py``.
 
 Sampling does not compute all that per logit: ``g = -log(E) <= -log(E_lb)`` for the larger
-of two lower bounds of E from the first hash word alone, ``E >= 1 - u >= ~hi / 2**32``
-(tight as u -> 1) and ``E >= -log(u_up)`` with ``u_up`` = (hi's top 23 bits + 1) / 2**23
-(tight elsewhere): one hash word and two fast logs bound every score within ~1e-3 (with the
-first bound alone 11% of the benchmark's blocks needed the exact pass; now ~0.1%). Each
+of two lower bounds of E from the first hash word's top 23 bits alone, with ``u_up`` =
+(those bits + 1) / 2**23 >= u: ``E >= 1 - u_up`` (tight as u -> 1, floored at 2**-66) and
+``E >= -log(u_up)`` (tight elsewhere): one hash word, no int -> float conversion and two
+fast logs bound every score within ~1e-3 where it can win (with a one-sided bound 11% of the
+benchmark's blocks needed the exact pass; now ~0.1%). Each
 lane (thread element) keeps its own best bound, its id and its runner-up bound across the
 block's sub-chunks, elementwise; one reduction after the walk gives the block's
 best-bounded logit (lowest id on ties) and the runner-up bound. That logit gets its exact
@@ -35,7 +36,6 @@ import triton
 import triton.language as tl
 
 from mrv2.kernels.gumbel_noise import (  # noqa: F401 (gumbel_noise, the references: re-exported)
-    _TWO_M32,
     GREEDY_TEMPERATURE,
     _blocks,
     _f32,
@@ -54,14 +54,17 @@ from mrv2.platform import TRITON_INTERPRET
 
 _GREEDY_T: tl.constexpr = tl.constexpr(GREEDY_TEMPERATURE)
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
-# The bound's lower bounds of E (see the kernel): ~hi / 2**32 with ~hi = 0 (w >= 2**-65)
-# floored at 2**-34; -log(u_up) with u_up = (top 23 bits of hi + 1) / 2**23 = m - (1 - 2**-23)
+# The bound's lower bounds of E (see the kernel): 1 - u_up (floored at 2**-66, below any E:
+# w >= 2**-65); -log(u_up) with u_up = (top 23 bits of hi + 1) / 2**23 = m - (1 - 2**-23)
 # for m in [1, 2) built from those bits, less a margin for the approximate lg2 (|error| <
 # 2**-20 at these magnitudes, times ln 2) and the kernel's fp32 E (~1e-7): 1e-5.
 _NEG_LN2 = tl.constexpr(_f32(-0.6931471805599453))
 _LOG2E_F = tl.constexpr(_f32(1.4426950408889634))
 _ONE_M23, _E_MARGIN = tl.constexpr(1.0 - 2.0 ** -23), tl.constexpr(1e-5)
-_HI_C_FLOOR, _TWO_M18 = tl.constexpr(2.0 ** -34), tl.constexpr(2.0 ** -18)
+_TWO_M18 = tl.constexpr(2.0 ** -18)
+# 1 - u_up = (2 - 2**-23) - m exactly (Sterbenz), and the floor 2**-66 below every E the noise
+# can take (w >= 2**-65, item 3 of gumbel_noise.py).
+_TWO_M_ULP, _E_FLOOR = tl.constexpr(2.0 - 2.0 ** -23), tl.constexpr(2.0 ** -66)
 #: Interpreter tiles of at most this many logits skip the bound (see ``gumbel_sample``).
 EXACT_TILE = 1 << 14
 #: On the GPU a program walks its block this many logits at a time, with ``_GPU_WARPS``.
@@ -158,17 +161,20 @@ def _gumbel_block_argmax_kernel(
                 # cols * 0x9E3779B1 (mod 2**32), as (chunk start) * c + sub * c: one add.
                 x_v = (pid_v * BLOCK_V + s).to(tl.uint32) * 0x9E3779B1 + x_sub   # [SUB]
                 hi = _mix32(x_v[None, :] ^ k1[:, None])                       # [BB, SUB]
-                # g = -log(E) <= -log(E_lb) for any E_lb <= E. Two lower bounds from hi alone:
-                # E >= 1 - u >= ~hi / 2**32 (tight as u -> 1), and E = -log(u) >= -log(u_up)
-                # (tight elsewhere). With only the first, a block's best bound was loose by up
-                # to ~1.5 where u is small, and 11% of the blocks of the benchmark's logits
-                # (randn * 3, T = 0.6) fell back to the exact pass; with both, near-ties only.
-                e_lb = tl.maximum((hi ^ 0xFFFFFFFF).to(tl.float32), _HI_C_FLOOR) * _TWO_M32
+                # g = -log(E) <= -log(E_lb) for any E_lb <= E. Two lower bounds from the top 23
+                # bits of hi alone, as m = 1 + bits / 2**23 in [1, 2) and u_up = m - (1 - 2**-23)
+                # >= u: E = -log(u) >= -log(u_up) (tight where u is not near 1), and E >= 1 - u
+                # >= 1 - u_up = (2 - 2**-23) - m, exact in fp32 (tight as u -> 1), floored at
+                # 2**-66 (no E is smaller: w >= 2**-65). No int -> float conversion (a
+                # quarter-rate instruction): job 11A, 80.8 -> 78.5 us bf16. Only the top bucket
+                # (u_up = 1, one logit in 2**23) is floored; its bound then wins its block, so it
+                # gets the exact score. On the benchmark's logits (randn * 3, T = 0.6) 0.08% of
+                # the blocks fall back to every exact score (float64 mirror on the CPU).
                 m = ((hi >> 9) | 0x3F800000).to(tl.float32, bitcast=True)    # [1, 2)
-                e_up = _fast_log2(m - _ONE_M23, FAST_LOG) * _NEG_LN2 - _E_MARGIN
-                e_lb = tl.maximum(e_lb, e_up)
+                e_up = tl.fma(_fast_log2(m - _ONE_M23, FAST_LOG), _NEG_LN2, -_E_MARGIN)
+                e_lb = tl.maximum(tl.maximum(e_up, _TWO_M_ULP - m), _E_FLOOR)  # [BB, SUB]
                 ub = tl.where(greedy[:, None], x,
-                              x * inv_t2[:, None] - _fast_log2(e_lb, FAST_LOG))  # [BB, SUB]
+                              tl.fma(x, inv_t2[:, None], -_fast_log2(e_lb, FAST_LOG)))
                 # NOTE: strictly greater: a lane's earlier (lower) id keeps a tie, and the
                 # tie's bound lands in the runner-up, which then forces the exact pass. The
                 # runner-up is the larger of the old one and the smaller of (ub, old best):
