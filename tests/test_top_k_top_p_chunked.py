@@ -273,3 +273,119 @@ def test_gpu_chunked_matches_row_kernel_and_replays_in_a_cuda_graph(dtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(work, chunked)
+
+
+def _open_after_each_round(logits, idx, knobs, ws, **kw):
+    """The output, and the rows with a search in use whose bracket is still open, after
+    each ``_narrow_kernel``."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    rows, vocab = logits.shape
+    seen, orig = [], mod._narrow_kernel
+    _temp, top_k, top_p, _min_p = (t[idx.long()] for t in knobs)               # per slot
+    use_k = ((top_k > 0) & (top_k < vocab)).to(ws.bracket.device)
+    use_p = (top_p < 1.0).to(ws.bracket.device)
+
+    class _Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                orig[grid](*args, **kwargs)
+                b = ws.bracket[:rows, :4]
+                seen.append(int(((use_k & ((b[:, 1] - b[:, 0]) > 1))
+                                 | (use_p & ((b[:, 3] - b[:, 2]) > 1))).sum()))
+            return run
+    mod._narrow_kernel = _Spy()
+    try:
+        out = _run(logits, idx, *knobs, workspace=ws, **kw)
+    finally:
+        mod._narrow_kernel = orig
+    return out, seen
+
+
+@pytest.mark.parametrize("slots", [None, "exact", "one_short"])
+def test_candidates_finish_the_search_or_fall_back(monkeypatch, slots):
+    """The gather pass keeps every key above the bracket's lo when each chunk's fit in
+    CAND_SLOTS; the row's searches then end in ``_finish_kernel``, before any round. A
+    chunk with one candidate too many sends its row through the ordinary rounds. Both ways
+    equal the sort reference; "exact" sets the slots to the largest count a chunk of this
+    batch has (it fits)."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    g = torch.Generator().manual_seed(21)
+    num_rows, vocab, P = 6, 512, 2                # 4 chunks of 4 blocks; 2 pivots: bisection
+    kw = {"method": "chunked", "block_v": 32, "chunk_v": 128, "num_pivots": P}
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    logits[:, 7::29] = NEG_INF
+    knobs = _knobs([(0.6, 5, 1.0, 0.0), (0.8, 9, 0.9, 0.0), (1.0, 3, 0.95, 0.02),
+                    (0.7, 12, 0.5, 0.0), (1.0, 2, 1.0, 0.0), (0.9, 16, 0.99, 0.0)])
+    idx = torch.randperm(num_rows, generator=g).to(torch.int32)
+    ref = apply_top_k_top_p_min_p_ref(logits, idx, *knobs)
+    ws = mod.top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=32, chunk_v=128,
+                                   num_pivots=P)
+    out, seen = _open_after_each_round(logits, idx, knobs, ws, **kw)
+    assert torch.equal(out, ref)
+    num_cand = ws.cand[:num_rows, :, 0].view(torch.int32)                   # [B, NC]
+    assert (num_cand >= 1).any(1).all()           # every row had candidates (k <= blocks)
+    if slots is None:
+        assert num_cand.max() <= mod.CAND_SLOTS and seen[0] == 0            # all finished
+        return
+    most = int(num_cand.max())
+    assert most >= 2
+    monkeypatch.setattr(mod, "CAND_SLOTS", most if slots == "exact" else most - 1)
+    ws = mod.top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=32, chunk_v=128,
+                                   num_pivots=P)
+    out, seen = _open_after_each_round(logits, idx, knobs, ws, **kw)
+    assert torch.equal(out, ref)
+    assert torch.equal(ws.cand[:num_rows, :, 0].view(torch.int32), num_cand)
+    overflow = int((num_cand > mod.CAND_SLOTS).any(1).sum())
+    assert overflow == (0 if slots == "exact" else (num_cand == most).any(1).sum())
+    # bisection (2 pivots) cannot close a bracket of several keys in one round
+    assert seen[0] == overflow and seen[-1] == 0
+
+
+def test_candidates_with_ties_and_a_wide_top_p_row():
+    """A top-p-only row whose bracket holds a whole chunk (it falls back) beside top-k rows
+    that finish on their candidates, tied candidates (all kept), and -inf logits."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    g = torch.Generator().manual_seed(4)
+    num_rows, vocab = 4, 384
+    logits = (torch.randn(num_rows, vocab, generator=g) * 2).round()        # many ties
+    logits[3] = torch.randn(vocab, generator=g) * 0.01                      # flat: wide top-p
+    logits[1, ::5] = NEG_INF
+    knobs = _knobs([(1.0, 4, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.0, 2, 1.0, 0.0),
+                    (1.0, -1, 0.9, 0.0)])
+    idx = torch.arange(num_rows, dtype=torch.int32)
+    ws = mod.top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=32, chunk_v=128)
+    out, seen = _open_after_each_round(logits, idx, knobs, ws, method="chunked",
+                                       block_v=32, chunk_v=128)
+    # top-k rows: everything at least the k-th largest value (ties kept); the flat row has
+    # no ties, so it equals the sort reference
+    kth = torch.stack([logits[i].topk(int(knobs[1][i])).values[-1] for i in range(3)])
+    assert torch.equal(out[:3] > NEG_INF, logits[:3] >= kth[:, None])
+    assert torch.equal(out[3], apply_top_k_top_p_min_p_ref(logits, idx, *knobs)[3])
+    num_cand = ws.cand[:num_rows, :, 0].view(torch.int32)                   # [B, NC]
+    assert num_cand[3].max() > mod.CAND_SLOTS                               # falls back
+    assert seen[0] <= 1
+
+
+@pytest.mark.parametrize("chunks_per_prog", [2, 3])
+def test_rounds_with_several_chunks_a_program(monkeypatch, chunks_per_prog):
+    """A pivot round's program walks CHUNKS_PER_PROG chunks (4 on the GPU), the last one
+    partly past the row's end; one candidate slot sends most rows through those rounds."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    monkeypatch.setattr(mod, "COUNT_CHUNKS_PER_PROG", chunks_per_prog)
+    monkeypatch.setattr(mod, "CAND_SLOTS", 1)
+    g = torch.Generator().manual_seed(77)
+    num_rows, vocab = 5, 700                      # 6 chunks of 128, the last one 60 logits
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    logits[:, 3::31] = NEG_INF
+    knobs = _knobs([(0.6, 20, 0.95, 0.0), (1.0, -1, 0.8, 0.0), (0.8, 7, 1.0, 0.05),
+                    (1.0, 40, 0.5, 0.0), (0.5, 3, 0.99, 0.0)])
+    idx = torch.arange(num_rows, dtype=torch.int32).flip(0)
+    ws = mod.top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=32, chunk_v=128)
+    out, seen = _open_after_each_round(logits, idx, knobs, ws, method="chunked", block_v=32,
+                                       chunk_v=128)
+    assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    assert seen[0] >= 3 and seen[-1] == 0          # most rows fell back, and all closed

@@ -31,19 +31,26 @@ are in ``mrv2/kernels/top_k_top_p_chunked.py``):
    peaked top-p, that leaves a few dozen tokens inside the bracket. A search the maxima
    did not narrow gets round 0's pivots at log-probability gaps below ``m`` (64 down to
    1/4 nats) instead of uniform keys. Every round's pivots are stored beside the bracket.
-3. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
-   ``exp(s - m)`` above each of the round's pivots, and finds the smallest / largest
-   key inside each bracket; then ``_narrow_kernel`` (rows) keeps the pivot interval
-   where each predicate flips, cut down to those keys (the answer is a key of the row,
-   so a bracket holding one key has converged).
-4. ``_write_kernel`` (rows x chunks): -inf over the removed logits, in place.
+3. ``_gather_kernel`` (rows x chunks) keeps the *candidates*, every key above lo, when
+   each chunk has at most ``CAND_SLOTS`` of them; ``_finish_kernel`` (rows) then ends
+   that row's searches by bisection over its candidates, in one program
+   (``mrv2/kernels/top_k_top_p_cand.py``). A row that overflows goes on to step 4.
+4. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks, ``COUNT_CHUNKS_PER_PROG``
+   chunks a program) counts the tokens and sums ``exp(s - m)`` above each of the round's
+   pivots, and finds the smallest / largest key inside each bracket; then
+   ``_narrow_kernel`` (rows) keeps the pivot interval where each predicate flips, cut
+   down to those keys (the answer is a key of the row, so a bracket holding one key has
+   converged).
+5. ``_write_kernel`` (rows x chunks): -inf over the removed logits, in place.
 
-So at most NUM_ROUNDS + 2 reads of the logits and 2 * NUM_ROUNDS + 3 launches, fixed
+So at most NUM_ROUNDS + 3 reads of the logits and 2 * NUM_ROUNDS + 5 launches, fixed
 grids and no host sync (CUDA-graph safe). A row whose brackets have converged (or that
 is greedy, has every filter off, or uses min-p alone) exits its programs after reading
 a few words, and a block of ``BLOCK_V`` logits with no key inside the bracket skips
 the [BLOCK_V, NUM_PIVOTS] compares (it only adds what lies above the bracket): with a
-tight bracket a round costs about one read of the logits.
+tight bracket a round costs about one read of the logits. With top-k 20 / top-p 0.95
+(T = 0.6, randn * 3 logits) every row ends on its candidates, and the filter reads the
+logits three times: stats, gather, write.
 The scratch is ``top_k_top_p_workspace``: pass one in, or let the dispatcher keep one
 per (device, vocab, config), grown when a call has more rows (the sampler runs outside the
 CUDA graphs, so the one-time growth is an ordinary allocation).
@@ -76,6 +83,7 @@ from mrv2.kernels.top_k_top_p_chunked import (
     _stats_kernel,
     _write_kernel,
 )
+from mrv2.kernels.top_k_top_p_cand import _finish_kernel, _gather_kernel, cand_width
 from mrv2.kernels.top_k_top_p_row import apply_top_k_top_p_min_p_row
 from mrv2.platform import TRITON_INTERPRET
 
@@ -86,10 +94,15 @@ class TopKTopPWorkspace(NamedTuple):
     bracket: torch.Tensor   # [R, 4 + 2P] int64: lo_k, hi_k, lo_p, hi_p, the pivots (keys)
     row_f: torch.Tensor     # [R, 2] float32: m, Z
     part: torch.Tensor      # [R, NC, W] float32: per chunk (see top_k_top_p_chunked.py)
+    cand: torch.Tensor      # [R, NC, 1 + 2 * CAND_SLOTS] float32: candidates (top_k_top_p_cand)
 
 
 #: Pivots per search round (the dispatcher's default; the reserved scratch is sized for it).
 NUM_PIVOTS = 16
+#: Candidate slots per chunk: the gather pass keeps up to this many keys above lo.
+CAND_SLOTS = 32
+#: Chunks per program of a pivot round (fewer programs for the rounds most rows skip).
+COUNT_CHUNKS_PER_PROG = 1 if TRITON_INTERPRET else 4
 
 
 def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
@@ -135,7 +148,9 @@ def top_k_top_p_workspace(num_rows: int, vocab_size: int, device, *,
         torch.empty(num_rows, 4 + 2 * num_pivots, dtype=torch.int64, device=device),
         torch.empty(num_rows, 2, dtype=torch.float32, device=device),
         torch.empty(num_rows, num_chunks, _part_width(block_v, chunk_v, num_pivots),
-                    dtype=torch.float32, device=device))
+                    dtype=torch.float32, device=device),
+        torch.empty(num_rows, num_chunks, cand_width(CAND_SLOTS), dtype=torch.float32,
+                    device=device))
 
 
 _WORKSPACES: dict[tuple, TopKTopPWorkspace] = {}
@@ -200,7 +215,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
         chunk_v: logits per program of the chunked search (a multiple of block_v).
         workspace: scratch from ``top_k_top_p_workspace`` (else the dispatcher's own, kept
             per device, vocab and config and grown to the rows).
-        method: ``"chunked"`` (rows x chunks programs, 19 launches on fixed grids: the
+        method: ``"chunked"`` (rows x chunks programs, 21 launches on fixed grids: the
             default on the GPU) or ``"row"`` (one program per row, one launch: the default
             under TRITON_INTERPRET).
 
@@ -226,10 +241,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
     if workspace is None:
         workspace = _cached_workspace(num_rows, vocab_size, logits.device, block_v, chunk_v,
                                       num_pivots)
-    bracket, row_f, part = workspace
+    bracket, row_f, part, cand = workspace
     if (bracket.shape[0] < num_rows or row_f.shape[0] < num_rows
             or bracket.shape[1] != 4 + 2 * num_pivots
-            or part.shape[0] < num_rows or tuple(part.shape[1:]) != (num_chunks, width)):
+            or part.shape[0] < num_rows or tuple(part.shape[1:]) != (num_chunks, width)
+            or cand.shape[0] < num_rows
+            or tuple(cand.shape[1:]) != (num_chunks, cand_width(CAND_SLOTS))):
         raise ValueError(f"workspace has part {tuple(part.shape)} for {bracket.shape[0]} rows; "
                          f"this call needs >= {num_rows} rows of ({num_chunks}, {width})")
     # The key range spans at most 2**32 values; each round divides it by num_pivots.
@@ -245,10 +262,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
     _init_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
                               part.stride(1), NC_POW2=nc_pow2, NB=chunk_v // block_v,
                               PART_STATS=width - 3, NUM_PIVOTS=num_pivots, **one)
+    _gather_kernel[grid](logits, *knobs, bracket, cand, vocab_size, num_chunks,
+                         logits.stride(0), cand.stride(1), CHUNK_V=chunk_v,
+                         NUM_PIVOTS=num_pivots, SLOTS=CAND_SLOTS, **opts)
+    _finish_kernel[(num_rows,)](*knobs, cand, bracket, row_f, vocab_size, num_chunks,
+                                cand.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
+                                SLOTS=CAND_SLOTS,
+                                SLOTS_POW2=triton.next_power_of_2(CAND_SLOTS), **one)
+    cpp = COUNT_CHUNKS_PER_PROG
     for _ in range(num_rounds):
-        _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks,
-                            logits.stride(0), part.stride(1), CHUNK_V=chunk_v,
-                            BLOCK_V=block_v, NUM_PIVOTS=num_pivots, **opts)
+        _count_kernel[(num_rows, triton.cdiv(num_chunks, cpp))](
+            logits, *knobs, bracket, row_f, part, vocab_size, num_chunks, logits.stride(0),
+            part.stride(1), CHUNK_V=chunk_v, BLOCK_V=block_v, NUM_PIVOTS=num_pivots,
+            CHUNKS_PER_PROG=cpp, **opts)
         _narrow_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
                                     part.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                     **one)
