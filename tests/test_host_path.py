@@ -139,3 +139,47 @@ def test_check_stop_early_return_changes_nothing(seed):
             results.append((done, req.finish_reason, req.stop_reason, req.output_text,
                             req.request_id in eng.scheduler.requests))
         assert results[0] == results[1], (case, sp, prompt, output)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_kv_fast_path_fields_follow_the_pool(caching):
+    """``num_slots`` / ``next_full`` (the scheduler's skip tests) stay what they stand for
+    through random allocations, caching, frees and prefix-cache resets: below them,
+    ``allocate`` returns ``[]`` and ``cache_blocks`` changes nothing."""
+    rng = random.Random(int(caching))
+    bs = 4
+    kv = KVCacheManager(40, bs, enable_caching=caching)
+    reqs: dict[str, Request] = {}
+    for step in range(600):
+        op = rng.random()
+        if op < 0.15 and len(reqs) < 6:
+            req = Request(f"r{step}", [rng.randrange(3) for _ in range(rng.randint(1, 9))],
+                          SamplingParams(), arrival=0)
+            hits, num_hit = kv.get_computed_blocks(req)
+            if kv.allocate(req.request_id, req.num_tokens, hits) is not None:
+                req.num_computed_tokens = req.num_tokens
+                kv.cache_blocks(req, req.num_tokens)
+                reqs[req.request_id] = req
+        elif op < 0.25 and reqs:
+            kv.free(reqs.pop(rng.choice(sorted(reqs))).request_id)
+        elif op < 0.27:
+            kv.reset_prefix_cache()
+        elif reqs:
+            req = reqs[rng.choice(sorted(reqs))]
+            need = req.num_tokens + 1 + rng.choice([0, 0, 3])
+            if need <= kv.num_slots[req.request_id]:
+                assert kv.allocate(req.request_id, need) == []
+            elif kv.allocate(req.request_id, need) is None:
+                continue
+            req.output_token_ids.append(rng.randrange(3))
+            req.num_computed_tokens = req.num_tokens
+            if caching and req.num_computed_tokens < kv.next_full.get(req.request_id, 0):
+                before = (dict(kv.cached_block_hash_to_block), dict(kv._num_cached))
+                kv.cache_blocks(req, req.num_computed_tokens)
+                assert before == (kv.cached_block_hash_to_block, kv._num_cached)
+            else:
+                kv.cache_blocks(req, req.num_computed_tokens)
+        for req_id, blocks in kv.req_blocks.items():
+            assert kv.num_slots[req_id] == len(blocks) * bs
+        assert set(kv.num_slots) == set(kv.req_blocks)
+        assert kv.next_full == {r: (n + 1) * bs for r, n in kv._num_cached.items()}
