@@ -201,7 +201,10 @@ class Engine(FaultContainment):
         finished = []
         detok = self._detok_token if self.tokenizer is not None else None
         t = now()
-        self._unapplied = set(sched.sampling_req_ids)
+        sampling = sched.sampling_req_ids
+        # NOTE: not a copy shrunk per request (a set method call per request per step):
+        # the ids not applied yet are worked out only when applying stops (see below).
+        self._unapplied = sampling
         for req_id, tensors in out.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             if req is not None:
@@ -210,51 +213,89 @@ class Engine(FaultContainment):
                         *tensors, req.sampling_params.prompt_logprobs, detok)
         spec = out.num_draft_tokens is not None  # speculative decoding: a run per request
         # NOTE: this loop runs for every request of every step: locals, not attributes.
-        sampling, unapplied, requests = sched.sampling_req_ids, self._unapplied, \
-            self.scheduler.requests
-        updated, check_stop = self.updated, self._check_stop
-        for i, (req_id, run) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
-            if req_id not in sampling:
-                continue  # a prefill chunk that did not reach the end: its sample is discarded
-            unapplied.discard(req_id)
-            req = requests.get(req_id)
-            if req is None:
-                continue  # it finished while this step was in flight: drop the extra sample
-            tokens = run if spec else (run,)
-            if spec:  # the rejected drafts: correct the scheduler's bounds, count acceptance
-                observe_spec_output(req, sched.num_spec_tokens.get(req_id, 0), len(tokens),
-                                    out.num_draft_tokens[i], self.spec_stats,
-                                    corrected=out.bounds_corrected)
-            req.num_output_placeholders -= len(tokens)
-            req.last_token_time = t
-            if req.first_token_time is None:
-                req.first_token_time = t
-            # NOTE: boundary 1 of mrv2/fault.py as a plain try: a context manager per
-            # request per step cost ~1.3 us each (0.3 ms a step at batch 256).
-            try:
-                # Tokens in order, stop conditions after each: a finish inside an accepted
-                # run returns nothing after it.
-                for j, token in enumerate(tokens):
-                    if req.allowed_set is not None and token not in req.allowed_set:
-                        # NOTE: every allowed token was masked (e.g. by a logits processor).
-                        raise ValueError(f"sampled token {token} is outside "
-                                         "allowed_token_ids: every allowed token was masked")
-                    req.output_token_ids.append(token)
-                    if req.logprobs is not None:
-                        # sampled id first, then top-k
-                        ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
-                        k = req.sampling_params.logprobs
-                        req.logprobs.append(make_logprob_dict(
-                            ids, lps, rank, len(ids) - 1 if k == -1 else k, detok))
-                        req.cumulative_logprob += lps[0]
-                    if check_stop(req, token):
-                        finished.append(req)
-                        break
-                updated.append(req)
-            except Exception as exc:  # noqa: BLE001 (the boundary: any error of this request)
-                self._fail(req, f"request {req.request_id!r} failed while processing its "
-                           f"output: {exc!r}")
+        requests, updated = self.scheduler.requests, self.updated
+        req_ids = out.req_ids
+        i = -1
+        try:
+            for i, (req_id, run) in enumerate(zip(req_ids, out.sampled_token_ids)):
+                if req_id not in sampling:
+                    continue  # a prefill chunk that did not reach the end: sample discarded
+                req = requests.get(req_id)
+                if req is None:
+                    continue  # it finished while this step was in flight: drop the sample
+                if spec:  # the rejected drafts: correct the scheduler's bounds, count them
+                    observe_spec_output(req, sched.num_spec_tokens.get(req_id, 0), len(run),
+                                        out.num_draft_tokens[i], self.spec_stats,
+                                        corrected=out.bounds_corrected)
+                    req.num_output_placeholders -= len(run)
+                else:
+                    req.num_output_placeholders -= 1
+                req.last_token_time = t
+                if req.first_token_time is None:
+                    req.first_token_time = t
+                # NOTE: boundary 1 of mrv2/fault.py as a plain try: a context manager per
+                # request per step cost ~1.3 us each (0.3 ms a step at batch 256).
+                try:
+                    if spec or req.allowed_set is not None or req.logprobs is not None:
+                        if self._append_run(req, run if spec else (run,), i, spec, out, detok):
+                            finished.append(req)
+                    else:
+                        # The plain decode, inlined: append, then the quick stop check
+                        # (``_stop_limits``); only a request it cannot clear is checked in full.
+                        output = req.output_token_ids
+                        output.append(run)
+                        limits = req.stop_limits or self._stop_limits(req)
+                        if ((len(output) >= limits[0] or run in limits[1])
+                                and self._check_stop(req, run)):
+                            finished.append(req)
+                    updated.append(req)
+                except Exception as exc:  # noqa: BLE001 (the boundary: any error of this request)
+                    self._fail(req, f"request {req.request_id!r} failed while processing its "
+                               f"output: {exc!r}")
+        except BaseException:
+            # The ids in batch order up to the failing one were applied (or dropped).
+            self._unapplied = sampling.difference(req_ids[:i + 1])
+            raise
+        self._unapplied = sampling.difference(req_ids)
         return finished
+
+    def _append_run(self, req: Request, tokens, i: int, spec: bool, out, detok) -> bool:
+        """Append a request's sampled tokens (with their logprobs), each checked for a stop.
+
+        Tokens in order, stop conditions after each: a finish inside an accepted run
+        returns nothing after it. Returns whether ``req`` finished.
+        """
+        for j, token in enumerate(tokens):
+            if req.allowed_set is not None and token not in req.allowed_set:
+                # NOTE: every allowed token was masked (e.g. by a logits processor).
+                raise ValueError(f"sampled token {token} is outside "
+                                 "allowed_token_ids: every allowed token was masked")
+            req.output_token_ids.append(token)
+            if req.logprobs is not None:
+                # sampled id first, then top-k
+                ids, lps, rank = (col[i][j] if spec else col[i] for col in out.logprobs)
+                k = req.sampling_params.logprobs
+                req.logprobs.append(make_logprob_dict(
+                    ids, lps, rank, len(ids) - 1 if k == -1 else k, detok))
+                req.cumulative_logprob += lps[0]
+            if self._check_stop(req, token):
+                return True
+        return False
+
+    def _stop_limits(self, req: Request) -> tuple[int, frozenset | set]:
+        """``(limit, stop ids)`` of ``req``'s quick stop check, worked out once per request.
+
+        After a token outside ``stop ids`` that leaves it under ``limit`` output tokens,
+        none of ``_check_stop``'s conditions holds (it would return ``False`` and change
+        nothing): ``limit`` is where ``max_tokens`` or the model's length ends it, 0 with
+        stop strings (they need the text: always checked in full).
+        """
+        sp = req.sampling_params
+        limit = self.max_model_len - len(req.prompt_token_ids)
+        if sp.max_tokens is not None and sp.max_tokens < limit:
+            limit = sp.max_tokens
+        req.stop_limits = (0 if sp.stop else limit, sp.all_stop_token_ids)
+        return req.stop_limits
 
     def _detok_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

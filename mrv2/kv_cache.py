@@ -71,6 +71,12 @@ class KVCacheManager:
         cached_block_hash_to_block: hash -> block id of every cached block.
         free_queue: the blocks with ``ref_cnt == 0``, head first out.
         req_blocks: request id -> its block ids, in order.
+        num_slots: request id -> token slots its blocks hold (``len(blocks) * block_size``):
+            a caller that compares a step's need with it calls :meth:`allocate` only when
+            the request crosses a block boundary (once every ``block_size`` decode steps).
+        next_full: request id -> the computed-token count from which :meth:`cache_blocks`
+            has a new full block to register (``(cached blocks + 1) * block_size``); below
+            it the call would return at once. Absent: call it (it checks for itself).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -88,8 +94,11 @@ class KVCacheManager:
         self.cached_block_hash_to_block: dict[int, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.req_blocks: dict[str, list[int]] = {}
-        # request id -> how many of its leading blocks are cached (or were tried).
+        self.num_slots: dict[str, int] = {}
+        # request id -> how many of its leading blocks are cached (or were tried); always
+        # set through _set_num_cached, which keeps next_full in step.
         self._num_cached: dict[str, int] = {}
+        self.next_full: dict[str, int] = {}
         # Counters: blocks hit / full blocks looked up at admission; cached blocks evicted.
         self.num_hits = self.num_queries = self.num_evictions = 0
 
@@ -210,10 +219,15 @@ class KVCacheManager:
             self.ref_cnt[b] += 1
         blocks.extend(computed_blocks)
         if computed_blocks:
-            self._num_cached[req_id] = len(blocks)
+            self._set_num_cached(req_id, len(blocks))
         new = [self._take_free_block() for _ in range(need)]
         blocks.extend(new)
+        self.num_slots[req_id] = len(blocks) * self.block_size
         return new
+
+    def _set_num_cached(self, req_id: str, n: int) -> None:
+        self._num_cached[req_id] = n
+        self.next_full[req_id] = (n + 1) * self.block_size
 
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
@@ -258,7 +272,7 @@ class KVCacheManager:
             if h not in lookup and self.block_hash[block] is None:
                 lookup[h] = block
                 self.block_hash[block] = h
-        self._num_cached[req_id] = num_full
+        self._set_num_cached(req_id, num_full)
 
     def free(self, req_id: str) -> None:
         """Give back every block of ``req_id`` (no-op if it holds none).
@@ -269,6 +283,8 @@ class KVCacheManager:
         are evicted before its first ones.
         """
         self._num_cached.pop(req_id, None)
+        self.next_full.pop(req_id, None)
+        self.num_slots.pop(req_id, None)
         queue = self.free_queue
         for block in reversed(self.req_blocks.pop(req_id, ())):
             self.ref_cnt[block] -= 1
@@ -288,5 +304,5 @@ class KVCacheManager:
             self.block_hash[block] = None
         self.cached_block_hash_to_block.clear()
         for req_id, blocks in self.req_blocks.items():
-            self._num_cached[req_id] = len(blocks)  # held blocks are not cached again
+            self._set_num_cached(req_id, len(blocks))  # held blocks are not cached again
         return n

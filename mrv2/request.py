@@ -64,6 +64,9 @@ class Request:
         # (checked on the host output), and the failed steps this request was part of.
         self.allowed_set: set[int] | None = None
         self.num_faults = 0
+        # The engine's quick stop check, ``(limit, stop ids)``: see ``Engine._stop_limits``
+        # (``None`` until its first token).
+        self.stop_limits: tuple[int, set[int]] | None = None
         # Extras filled by the engine (detokenized text, logprobs, ...).
         self.output_text = ""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None

@@ -222,7 +222,10 @@ class ModelRunner(RunnerInterface):
             spec_rows = self.spec.expand(batch, num_scheduled, num_spec_tokens or {})
             logits_indices, idx_mapping, positions = (
                 spec_rows.logits_indices, spec_rows.idx_mapping, spec_rows.positions)
-        logits = self.model_state.compute_logits(hidden[logits_indices])      # [N, V]
+        # NOTE: index_select, not hidden[logits_indices]: the same rows, but advanced
+        # indexing's host path is ~5x dearer (65 vs 12 us at 256 x 256 on a CPU).
+        logits = self.model_state.compute_logits(
+            torch.index_select(hidden, 0, logits_indices))                    # [N, V]
         if spec_rows is not None:  # verify, append the accepted runs, propose the next drafts
             verified, logprobs = self.spec.verify(self, batch, spec_rows, logits, rows)
             prompt_logprobs = self._prompt_logprobs(batch.req_ids, num_scheduled, hidden)

@@ -166,6 +166,9 @@ def test_a_fault_ends_only_its_request(tight, monkeypatch, where):
             return real(req, token)
 
         monkeypatch.setattr(llm.engine, "_check_stop", check)
+        # NOTE: the quick stop check skips _check_stop while no condition can hold; with
+        # a limit of 0 every token goes through it (and so through the injected fault).
+        monkeypatch.setattr(llm.engine, "_stop_limits", lambda req: (0, frozenset()))
     ids, outputs = _run_with_bad(llm, prompts, params, 2)
     out = outputs[bad].outputs[0]
     assert outputs[bad].finished and out.finish_reason == "error"

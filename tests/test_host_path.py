@@ -139,3 +139,112 @@ def test_check_stop_early_return_changes_nothing(seed):
             results.append((done, req.finish_reason, req.stop_reason, req.output_text,
                             req.request_id in eng.scheduler.requests))
         assert results[0] == results[1], (case, sp, prompt, output)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_kv_fast_path_fields_follow_the_pool(caching):
+    """``num_slots`` / ``next_full`` (the scheduler's skip tests) stay what they stand for
+    through random allocations, caching, frees and prefix-cache resets: below them,
+    ``allocate`` returns ``[]`` and ``cache_blocks`` changes nothing."""
+    rng = random.Random(int(caching))
+    bs = 4
+    kv = KVCacheManager(40, bs, enable_caching=caching)
+    reqs: dict[str, Request] = {}
+    for step in range(600):
+        op = rng.random()
+        if op < 0.15 and len(reqs) < 6:
+            req = Request(f"r{step}", [rng.randrange(3) for _ in range(rng.randint(1, 9))],
+                          SamplingParams(), arrival=0)
+            hits, _ = kv.get_computed_blocks(req)
+            if kv.allocate(req.request_id, req.num_tokens, hits) is not None:
+                req.num_computed_tokens = req.num_tokens
+                kv.cache_blocks(req, req.num_tokens)
+                reqs[req.request_id] = req
+        elif op < 0.25 and reqs:
+            kv.free(reqs.pop(rng.choice(sorted(reqs))).request_id)
+        elif op < 0.27:
+            kv.reset_prefix_cache()
+        elif reqs:
+            req = reqs[rng.choice(sorted(reqs))]
+            need = req.num_tokens + 1 + rng.choice([0, 0, 3])
+            if need <= kv.num_slots[req.request_id]:
+                assert kv.allocate(req.request_id, need) == []
+            elif kv.allocate(req.request_id, need) is None:
+                continue
+            req.output_token_ids.append(rng.randrange(3))
+            req.num_computed_tokens = req.num_tokens
+            if caching and req.num_computed_tokens < kv.next_full.get(req.request_id, 0):
+                before = (dict(kv.cached_block_hash_to_block), dict(kv._num_cached))
+                kv.cache_blocks(req, req.num_computed_tokens)
+                assert before == (kv.cached_block_hash_to_block, kv._num_cached)
+            else:
+                kv.cache_blocks(req, req.num_computed_tokens)
+        for req_id, blocks in kv.req_blocks.items():
+            assert kv.num_slots[req_id] == len(blocks) * bs
+        assert set(kv.num_slots) == set(kv.req_blocks)
+        assert kv.next_full == {r: (n + 1) * bs for r, n in kv._num_cached.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_quick_stop_check_clears_only_what_check_stop_would(seed):
+    """``Engine._stop_limits``: a token it clears (outside the stop ids, under the limit)
+    is one the plain stop checks pass with no side effect; random requests, tokens and
+    limits, edge cases included (stop at max_tokens, at the model's length, min_tokens,
+    stop strings, ignore_eos)."""
+    rng = random.Random(seed)
+    cleared = 0
+    for case in range(400):
+        tok = _Tok() if rng.random() < 0.5 else None
+        max_model_len = rng.randint(4, 30)
+        max_tokens = rng.choice([None, 1, 3, 10])
+        sp = SamplingParams(
+            max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2]), max_tokens or 2),
+            stop_token_ids=rng.choice([[], [3], [3, 5]]),
+            stop=rng.choice([None, [], ["c"]]), ignore_eos=rng.random() < 0.5)
+        sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {2})
+        prompt = [1] * rng.randint(1, 3)
+        output = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        eng = _engine(tok, max_model_len)
+        req = Request(f"r{case}", prompt, sp, arrival=0)
+        eng.scheduler.add_request(req)
+        req.output_token_ids = list(output)
+        limit, stop_ids = eng._stop_limits(req)
+        assert req.stop_limits == (limit, stop_ids)
+        if len(output) < limit and output[-1] not in stop_ids:
+            cleared += 1
+            assert not _plain_check_stop(eng, req, output[-1])
+            assert (req.finish_reason, req.output_text) == (None, "")
+            assert req.request_id in eng.scheduler.requests
+    assert cleared > 50
+
+
+def test_unapplied_ids_after_a_failure_inside_apply(monkeypatch):
+    """A failure partway through ``_apply`` leaves in ``_unapplied`` exactly the sampling
+    ids not reached yet (what the fault reset undoes), and none after a clean pass."""
+    import mrv2.engine as engine_mod
+    from mrv2.async_output import StepOutput
+    from mrv2.scheduler import SchedulerOutput
+
+    eng = _engine(None, 64)
+    ids = [f"r{i}" for i in range(4)]
+    for req_id in ids:
+        req = Request(req_id, [1, 2], SamplingParams(max_tokens=50), arrival=0)
+        eng.scheduler.add_request(req)
+        req.num_output_placeholders = 1
+    sched = SchedulerOutput(sampling_req_ids={"r0", "r2", "r3", "gone"})
+    out = StepOutput(ids, [[4], [4], [4], [4]], num_draft_tokens=[0, 0, 0, 0])
+
+    def observe(req, *args, **kwargs):
+        if req.request_id == "r2":
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine_mod, "observe_spec_output", observe)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng._apply(sched, out)
+    assert eng._unapplied == {"r3", "gone"}
+    monkeypatch.setattr(engine_mod, "observe_spec_output", lambda *a, **k: None)
+    eng._apply(SchedulerOutput(sampling_req_ids={"r3", "gone"}), StepOutput(
+        ["r3"], [[5]], num_draft_tokens=[0]))
+    assert eng._unapplied == {"gone"}
+    got = {r: eng.scheduler.requests[r].output_token_ids for r in ids}
+    assert got == {"r0": [4], "r1": [], "r2": [], "r3": [5]}
