@@ -17,8 +17,10 @@ launch held most of its 0.4 ms fp32 / 1.0 ms bf16 a call). So one pass first kee
    a few words and exit). A row with a chunk that overflowed keeps its bracket and goes
    through the rounds as before.
 
-The only cost for a row that falls back is that one read of the logits (about the
-stats pass's, which reads them once too).
+A row that falls back pays that read of the logits for nothing, so ``_init_kernel``
+skips the pass for a row where more than half the blocks have their max above lo (every
+such block holds a candidate; top-p alone, whose lo the maxima rarely raise, is the
+usual case): it presets each chunk's count to ``SLOTS + 1``, "overflowed".
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def _gather_kernel(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     lo_k, _hi_k, lo_p, _hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p,
                                                              NUM_PIVOTS)
-    if active & (need_k | need_p):
+    out = cand_ptr + (b * num_chunks + c).to(tl.int64) * cand_stride
+    # NOTE: _init_kernel set the count to SLOTS + 1 on a row it judged would overflow.
+    skip = tl.load(out).to(tl.int32, bitcast=True) > SLOTS
+    if active & (need_k | need_p) & ~skip:
         # The candidates: every key above the open searches' lowest lo.
         lo = tl.minimum(tl.where(need_k, lo_k, _INT32_MAX), tl.where(need_p, lo_p, _INT32_MAX))
         cols = c * CHUNK_V + tl.arange(0, CHUNK_V)
@@ -55,7 +60,6 @@ def _gather_kernel(
         key = _key(s)                                                          # [CV]
         is_cand = key.to(tl.int64) > lo                                        # [CV]
         num_cand = tl.sum(is_cand.to(tl.int32), axis=0)
-        out = cand_ptr + (b * num_chunks + c).to(tl.int64) * cand_stride
         tl.store(out, num_cand.to(tl.float32, bitcast=True))
         if (num_cand > 0) & (num_cand <= SLOTS):
             slot = tl.cumsum(is_cand.to(tl.int32), axis=0)                     # [CV], 1-based

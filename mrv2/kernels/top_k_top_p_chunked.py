@@ -89,11 +89,11 @@ def _bound(keys, weight, need, lo, hi):
 @triton.jit
 def _init_kernel(
     idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr,    # inputs
-    bracket_ptr, row_f_ptr,                                                          # outputs
+    bracket_ptr, row_f_ptr, cand_ptr,                                                # outputs
     vocab_size, num_chunks,                                                          # sizes
-    part_stride,                                                                     # strides
+    part_stride, cand_stride,                                                        # strides
     NC_POW2: tl.constexpr, NB: tl.constexpr, PART_STATS: tl.constexpr,
-    NUM_PIVOTS: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     _temp, k, top_p, _min_p, use_k, use_p, active = _row_knobs(
@@ -125,6 +125,14 @@ def _init_kernel(
         # NOTE: only max(thresh_k, thresh_p) matters, and thresh_k > lo_k: the top-p search
         # may start at lo_k too (a thresh_p below it is never used), and the other way round.
         lo_k, lo_p = _share_lo(lo_k, key_m, lo_p, key_m, use_k & use_p)
+        # The candidates pass (top_k_top_p_cand.py) skips a row where more than half the
+        # blocks have their max above lo (each holds a candidate: they would overflow the
+        # slots): each chunk's count starts at SLOTS + 1, "overflowed", and is never read.
+        lo = tl.minimum(tl.where(use_k, lo_k, key_m), tl.where(use_p, lo_p, key_m))
+        hot = tl.sum(tl.sum((keys > lo).to(tl.int32), axis=1), axis=0)
+        skip = 2 * hot > num_chunks * NB
+        tl.store(cand_ptr + (b * num_chunks + ci).to(tl.int64) * cand_stride,
+                 tl.where(skip, SLOTS + 1, 0).to(tl.float32, bitcast=True), mask=mask)
         # Round 0's pivots: a search the maxima did not narrow spans the whole row, so
         # its pivots go at log-probability gaps below m instead of uniform keys.
         piv_k = tl.where(lo_k == lo, _gap_pivots(m, lo_k, key_m, NUM_PIVOTS),
@@ -267,8 +275,9 @@ def _count_kernel(
     # A program runs only while one of its row's brackets is open.
     # NOTE: a program takes CHUNKS_PER_PROG chunks: most rows end on their candidates
     # (top_k_top_p_cand.py), and then a round is mostly programs that read a few words and
-    # exit; fewer of them make such a round cheaper (job 12B: 8 near-empty rounds took
-    # 113 us fp32, 154 us bf16 with a program per chunk).
+    # exit; fewer of them make such a round cheaper (8 near-empty rounds: 113 us fp32, 154
+    # bf16 at 1 chunk a program, 51 at 4), but the rows that do take the rounds slower
+    # (the dispatcher's COUNT_CHUNKS_PER_PROG says by how much; it stays at 1).
     if active & (need_k | need_p):
         m = tl.load(row_f_ptr + b * 2)
         row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
