@@ -303,7 +303,8 @@ def _open_after_each_round(logits, idx, knobs, ws, **kw):
 
 
 @pytest.mark.parametrize("slots", [None, "exact", "one_short"])
-def test_candidates_finish_the_search_or_fall_back(monkeypatch, slots):
+@pytest.mark.parametrize("sub_v", [1024, 32])   # the slots in one step, or 4 steps a chunk
+def test_candidates_finish_the_search_or_fall_back(monkeypatch, slots, sub_v):
     """The gather pass keeps every key above the bracket's lo when each chunk's fit in
     CAND_SLOTS; the row's searches then end in ``_finish_kernel``, before any round. A
     chunk with one candidate too many sends its row through the ordinary rounds. Both ways
@@ -311,6 +312,7 @@ def test_candidates_finish_the_search_or_fall_back(monkeypatch, slots):
     batch has (it fits)."""
     from mrv2.kernels import top_k_top_p as mod
 
+    monkeypatch.setattr(mod, "GATHER_SUB_V", sub_v)
     g = torch.Generator().manual_seed(21)
     num_rows, vocab, P = 6, 512, 2                # 4 chunks of 4 blocks; 2 pivots: bisection
     kw = {"method": "chunked", "block_v": 32, "chunk_v": 128, "num_pivots": P}

@@ -76,6 +76,7 @@ import torch
 import triton
 
 from mrv2.kernels.gumbel import GREEDY_TEMPERATURE
+from mrv2.kernels.top_k_top_p_cand import _finish_kernel, _gather_kernel, cand_width
 from mrv2.kernels.top_k_top_p_chunked import (
     _count_kernel,
     _init_kernel,
@@ -83,7 +84,6 @@ from mrv2.kernels.top_k_top_p_chunked import (
     _stats_kernel,
     _write_kernel,
 )
-from mrv2.kernels.top_k_top_p_cand import _finish_kernel, _gather_kernel, cand_width
 from mrv2.kernels.top_k_top_p_row import apply_top_k_top_p_min_p_row
 from mrv2.platform import TRITON_INTERPRET
 
@@ -101,6 +101,8 @@ class TopKTopPWorkspace(NamedTuple):
 NUM_PIVOTS = 16
 #: Candidate slots per chunk: the gather pass keeps up to this many keys above lo.
 CAND_SLOTS = 32
+#: Logits per step of the gather pass's slot assignment (a power of two).
+GATHER_SUB_V = 1024
 #: Chunks per program of a pivot round. NOTE: more would make the rounds that most rows
 #: skip cheaper, but slows the rows that take them: H200 job 12D, graph replay, 1 / 2 / 4:
 #: top-k 20 + top-p 0.95 fp32 565 / 544 / 513 us (bf16 589 / 535 / 505), top-p 0.95 alone
@@ -268,7 +270,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                               NUM_PIVOTS=num_pivots, SLOTS=CAND_SLOTS, **one)
     _gather_kernel[grid](logits, *knobs, bracket, cand, vocab_size, num_chunks,
                          logits.stride(0), cand.stride(1), CHUNK_V=chunk_v,
-                         NUM_PIVOTS=num_pivots, SLOTS=CAND_SLOTS, **opts)
+                         SUB_V=min(chunk_v, GATHER_SUB_V), NUM_PIVOTS=num_pivots, SLOTS=CAND_SLOTS,
+                         **opts)
     _finish_kernel[(num_rows,)](*knobs, cand, bracket, row_f, vocab_size, num_chunks,
                                 cand.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                 SLOTS=CAND_SLOTS,

@@ -41,7 +41,8 @@ def _gather_kernel(
     cand_ptr,                                                                        # outputs
     vocab_size, num_chunks,                                                          # sizes
     logits_stride, cand_stride,                                                      # strides
-    CHUNK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr, SLOTS: tl.constexpr,
+    CHUNK_V: tl.constexpr, SUB_V: tl.constexpr, NUM_PIVOTS: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -55,16 +56,27 @@ def _gather_kernel(
     if active & (need_k | need_p) & ~skip:
         # The candidates: every key above the open searches' lowest lo.
         lo = tl.minimum(tl.where(need_k, lo_k, _INT32_MAX), tl.where(need_p, lo_p, _INT32_MAX))
-        cols = c * CHUNK_V + tl.arange(0, CHUNK_V)
-        s = _load_s(logits_ptr + b.to(tl.int64) * logits_stride, cols, vocab_size, temp)
-        key = _key(s)                                                          # [CV]
-        is_cand = key.to(tl.int64) > lo                                        # [CV]
-        num_cand = tl.sum(is_cand.to(tl.int32), axis=0)
+        row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
+        s = _load_s(row_ptr, c * CHUNK_V + tl.arange(0, CHUNK_V), vocab_size, temp)  # [CV]
+        num_cand = tl.sum((_key(s).to(tl.int64) > lo).to(tl.int32), axis=0)
         tl.store(out, num_cand.to(tl.float32, bitcast=True))
         if (num_cand > 0) & (num_cand <= SLOTS):
-            slot = tl.cumsum(is_cand.to(tl.int32), axis=0)                     # [CV], 1-based
-            tl.store(out + slot, key.to(tl.float32, bitcast=True), mask=is_cand)
-            tl.store(out + SLOTS + slot, s, mask=is_cand)
+            # Their slots, SUB_V logits at a time (the reloads hit the cache): a running
+            # count plus a cumsum over the sub-block. NOTE: not one cumsum over the chunk:
+            # its [CV] slots and their addresses took 126 registers (fp32), too few
+            # programs per SM for the first pass's loads.
+            base = 1                                                           # slot 0: count
+            for start in range(0, CHUNK_V, SUB_V):
+                sb = _load_s(row_ptr, c * CHUNK_V + start + tl.arange(0, SUB_V), vocab_size,
+                             temp)                                             # [SUB]
+                kb = _key(sb)
+                is_cand = kb.to(tl.int64) > lo                                 # [SUB]
+                n = tl.sum(is_cand.to(tl.int32), axis=0)
+                if n > 0:
+                    slot = base + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1   # [SUB]
+                    tl.store(out + slot, kb.to(tl.float32, bitcast=True), mask=is_cand)
+                    tl.store(out + SLOTS + slot, sb, mask=is_cand)
+                base += n
 
 
 @triton.jit
