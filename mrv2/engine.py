@@ -190,6 +190,10 @@ class Engine(FaultContainment):
 
     def _process(self, launch: int, sched: SchedulerOutput, output) -> list[Request]:
         """Wait for one step's output (its event only) and apply it to the requests."""
+        # NOTE: nothing of this step is applied yet: a fault in get_output (an error that
+        # surfaces at the device sync) resets all of its sampling requests, not the set
+        # the previous step's _apply left behind.
+        self._unapplied = sched.sampling_req_ids
         with self._cpu("wait"):
             out = output.get_output()
         for cb in self.callbacks:

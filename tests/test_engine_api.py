@@ -148,11 +148,37 @@ def _run_with_bad(llm, prompts, params, bad_index):
     return ids, outputs
 
 
-@pytest.mark.parametrize("where", ["admission", "decode", "output"])
+class _FailingOutput:
+    """A step's output whose ``get_output`` raises (an error surfacing at the device sync)."""
+
+    def __init__(self, out):
+        self._out = out
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
+
+    def get_output(self):
+        raise RuntimeError("injected fault at the output sync")
+
+
+@pytest.mark.parametrize("where", ["admission", "decode", "output", "get_output"])
 def test_a_fault_ends_only_its_request(tight, monkeypatch, where):
     llm, prompts, params, clean = tight
     bad = "f2"
-    if where == "admission":
+    if where == "get_output":
+        # NOTE: the step launched fine; its requests must be reset although the previous
+        # step's output processing left nothing "unapplied" (the bug this case pins).
+        real_exec = llm.runner.execute_model
+
+        def faulty(sched):
+            out, reqs = real_exec(sched), llm.scheduler.requests
+            if (bad in sched.sampling_req_ids and bad in reqs
+                    and len(reqs[bad].output_token_ids) >= 2):
+                return _FailingOutput(out)
+            return out
+
+        monkeypatch.setattr(llm.runner, "execute_model", faulty)
+    elif where == "admission":
         _inject(llm, monkeypatch, lambda s, reqs: any(n.req_id == bad for n in s.new_reqs))
     elif where == "decode":
         _inject(llm, monkeypatch, lambda s, reqs: bad in s.num_scheduled_tokens and bad in reqs
