@@ -21,6 +21,12 @@ A row that falls back pays that read of the logits for nothing, so ``_init_kerne
 skips the pass for a row where more than half the blocks have their max above lo (every
 such block holds a candidate; top-p alone, whose lo the maxima rarely raise, is the
 usual case): it presets each chunk's count to ``SLOTS + 1``, "overflowed".
+
+On the H200 (job 12E, 256 x 151,936, graph replay, both trees in one job) the filter at
+top-k 20 / top-p 0.95 went from 0.80 to 0.50 ms in fp32 and from 1.27 to 0.55 ms in bf16;
+the gather pass takes 90 / 104 us, the finish 34 us, and the 8 rounds that now find every
+row closed still 113 / 154 us (their programs' launch and exit; one program per 4 chunks
+would halve that but slows the rows that fall back: job 12D).
 """
 
 from __future__ import annotations
