@@ -114,21 +114,28 @@ def _engine(tokenizer, max_model_len: int) -> Engine:
     return Engine(sched, _Runner(), tokenizer, max_model_len=max_model_len)
 
 
+def _random_case(rng: random.Random, stops: list):
+    """A random (tokenizer or None, max_model_len, params, prompt, output) for the stop
+    checks: length limits, min_tokens, stop ids (EOS = 2 unless ignore_eos), stop strings."""
+    tok = _Tok() if rng.random() < 0.5 else None
+    max_model_len = rng.randint(4, 30)
+    max_tokens = rng.choice([None, 1, 3, 10])
+    sp = SamplingParams(
+        max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2]), max_tokens or 2),
+        stop_token_ids=rng.choice([[], [3], [3, 5]]), stop=rng.choice(stops),
+        include_stop_str_in_output=rng.random() < 0.3, ignore_eos=rng.random() < 0.5)
+    sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {2})
+    prompt = [1] * rng.randint(1, 3)
+    output = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+    return tok, max_model_len, sp, prompt, output
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_check_stop_early_return_changes_nothing(seed):
     rng = random.Random(seed)
     for case in range(300):
-        tok = _Tok() if rng.random() < 0.5 else None
-        max_model_len = rng.randint(4, 30)
-        max_tokens = rng.choice([None, 1, 3, 10])
-        sp = SamplingParams(
-            max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2]), max_tokens or 2),
-            stop_token_ids=rng.choice([[], [3], [3, 5]]),
-            stop=rng.choice([None, [], ["c"], ["bc", "zz"]]),
-            include_stop_str_in_output=rng.random() < 0.3)
-        sp.all_stop_token_ids = set(sp.stop_token_ids) | ({2} if rng.random() < 0.5 else set())
-        prompt = [1] * rng.randint(1, 3)
-        output = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        tok, max_model_len, sp, prompt, output = _random_case(
+            rng, [None, [], ["c"], ["bc", "zz"]])
         results = []
         for check in (_plain_check_stop, Engine._check_stop):
             eng = _engine(tok, max_model_len)
@@ -194,16 +201,7 @@ def test_quick_stop_check_clears_only_what_check_stop_would(seed):
     rng = random.Random(seed)
     cleared = 0
     for case in range(400):
-        tok = _Tok() if rng.random() < 0.5 else None
-        max_model_len = rng.randint(4, 30)
-        max_tokens = rng.choice([None, 1, 3, 10])
-        sp = SamplingParams(
-            max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2]), max_tokens or 2),
-            stop_token_ids=rng.choice([[], [3], [3, 5]]),
-            stop=rng.choice([None, [], ["c"]]), ignore_eos=rng.random() < 0.5)
-        sp.all_stop_token_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {2})
-        prompt = [1] * rng.randint(1, 3)
-        output = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        tok, max_model_len, sp, prompt, output = _random_case(rng, [None, [], ["c"]])
         eng = _engine(tok, max_model_len)
         req = Request(f"r{case}", prompt, sp, arrival=0)
         eng.scheduler.add_request(req)
