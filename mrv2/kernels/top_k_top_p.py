@@ -56,7 +56,7 @@ per (device, vocab, config), grown when a call has more rows (the sampler runs o
 CUDA graphs, so the one-time growth is an ordinary allocation).
 ``mrv2/kernels/top_k_top_p_row.py`` holds the one-program-per-row version: the default
 under TRITON_INTERPRET (fewer programs for the interpreter's Python loop), while the chunked
-search is the default on the GPU. On the H200 at 256 x 151,936 (job 12E, f6e52b9,
+search is the default on the GPU. On the H200 at 256 x 151,936 (job 12E, 540a60f,
 ``scripts/bench_sampler.py --filter-only``, CUDA-graph replay) the chunked search took
 0.38-1.9 ms in fp32 and 0.41-3.4 ms in bf16 (top-k 20 + top-p 0.95: 0.50 / 0.55 ms; top-p
 alone is the slow end), the row kernel 4.7-5.5 / 8.2-8.8 ms and torch's sort 4.8 ms.
