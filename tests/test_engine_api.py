@@ -206,6 +206,31 @@ def test_a_fault_ends_only_its_request(tight, monkeypatch, where):
     assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_fault_at_the_output_sync_while_speculating_is_recomputed(async_scheduling):
+    """n-gram speculation: a step whose get_output raises once is reset (its drafts' and
+    bonus token's placeholders undone) and recomputed; every request ends as without it."""
+    loop = [5, 17, 42, 99, 7, 3, 250, 11]
+    prompts = [{"prompt_token_ids": (loop * 3)[: 5 + 7 * i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = stories_llm(async_scheduling=async_scheduling,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    real, calls = llm.runner.execute_model, []
+
+    def faulty(sched):
+        calls.append(sched)
+        out = real(sched)
+        return _FailingOutput(out) if len(calls) == 4 else out
+
+    llm.runner.execute_model = faulty
+    res = llm.generate(prompts, params, use_tqdm=False)
+    assert len(calls) > 4                                       # the fault did happen
+    assert [o.outputs[0].finish_reason for o in res] == ["length"] * 4
+    assert [o.outputs[0].token_ids for o in res] == clean
+    assert_nothing_held(llm)
+
+
 def test_a_fault_in_generate_is_reported_not_raised():
     llm = stories_llm()
     real = llm.runner.execute_model
