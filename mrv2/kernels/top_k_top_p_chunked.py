@@ -128,8 +128,9 @@ def _init_kernel(
         # The candidates pass (top_k_top_p_cand.py) skips a row where more than half the
         # blocks have their max above lo (each holds a candidate: they would overflow the
         # slots): each chunk's count starts at SLOTS + 1, "overflowed", and is never read.
-        lo = tl.minimum(tl.where(use_k, lo_k, key_m), tl.where(use_p, lo_p, key_m))
-        hot = tl.sum(tl.sum((keys > lo).to(tl.int32), axis=1), axis=0)
+        # NOTE: its own name: ``lo`` (the unraised start) still decides round 0's pivots.
+        lo_cand = tl.minimum(tl.where(use_k, lo_k, key_m), tl.where(use_p, lo_p, key_m))
+        hot = tl.sum(tl.sum((keys > lo_cand).to(tl.int32), axis=1), axis=0)
         skip = 2 * hot > num_chunks * NB
         tl.store(cand_ptr + (b * num_chunks + ci).to(tl.int64) * cand_stride,
                  tl.where(skip, SLOTS + 1, 0).to(tl.float32, bitcast=True), mask=mask)
