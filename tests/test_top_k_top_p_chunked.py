@@ -374,13 +374,11 @@ def test_candidates_with_ties_and_a_wide_top_p_row():
     assert seen[0] <= 1
 
 
-@pytest.mark.parametrize("chunks_per_prog", [2, 3])
-def test_rounds_with_several_chunks_a_program(monkeypatch, chunks_per_prog):
-    """A pivot round's program walks CHUNKS_PER_PROG chunks (4 on the GPU), the last one
-    partly past the row's end; one candidate slot sends most rows through those rounds."""
+def test_rows_that_overflow_their_slots_take_the_rounds(monkeypatch):
+    """One candidate slot a chunk sends most rows through the pivot rounds, over a row
+    whose last chunk is partly past its end; they close and equal the sort reference."""
     from mrv2.kernels import top_k_top_p as mod
 
-    monkeypatch.setattr(mod, "COUNT_CHUNKS_PER_PROG", chunks_per_prog)
     monkeypatch.setattr(mod, "CAND_SLOTS", 1)
     g = torch.Generator().manual_seed(77)
     num_rows, vocab = 5, 700                      # 6 chunks of 128, the last one 60 logits

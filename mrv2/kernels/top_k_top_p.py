@@ -35,9 +35,8 @@ are in ``mrv2/kernels/top_k_top_p_chunked.py``):
    each chunk has at most ``CAND_SLOTS`` of them; ``_finish_kernel`` (rows) then ends
    that row's searches by bisection over its candidates, in one program
    (``mrv2/kernels/top_k_top_p_cand.py``). A row that overflows goes on to step 4.
-4. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks, ``COUNT_CHUNKS_PER_PROG``
-   chunks a program) counts the tokens and sums ``exp(s - m)`` above each of the round's
-   pivots, and finds the smallest / largest key inside each bracket; then
+4. ``NUM_ROUNDS`` times: ``_count_kernel`` (rows x chunks) counts the tokens and sums
+   ``exp(s - m)`` above each of the round's pivots, and finds the smallest / largest key inside each bracket; then
    ``_narrow_kernel`` (rows) keeps the pivot interval where each predicate flips, cut
    down to those keys (the answer is a key of the row, so a bracket holding one key has
    converged).
@@ -104,11 +103,6 @@ NUM_PIVOTS = 16
 CAND_SLOTS = 32
 #: Logits per step of the gather pass's slot assignment (a power of two).
 GATHER_SUB_V = 1024
-#: Chunks per program of a pivot round. NOTE: more would make the rounds that most rows
-#: skip cheaper, but slows the rows that take them: H200 job 12D, graph replay, 1 / 2 / 4:
-#: top-k 20 + top-p 0.95 fp32 565 / 544 / 513 us (bf16 589 / 535 / 505), top-p 0.95 alone
-#: 1,239 / 1,471 / 1,442 (bf16 1,987 / 2,152 / 2,154). So 1.
-COUNT_CHUNKS_PER_PROG = 1
 
 
 def _chunked_config(vocab_size: int, block_v: int | None, chunk_v: int | None,
@@ -277,12 +271,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
                                 cand.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                 SLOTS=CAND_SLOTS,
                                 SLOTS_POW2=triton.next_power_of_2(CAND_SLOTS), **one)
-    cpp = COUNT_CHUNKS_PER_PROG
+    # NOTE: a program per chunk even in the rounds most rows now skip: H200 job 12D timed
+    # 1 / 2 / 4 chunks a program (graph replay): top-k 20 + top-p 0.95 fp32 565 / 544 / 513
+    # us (bf16 589 / 535 / 505), but top-p 0.95 alone 1,239 / 1,471 / 1,442 (bf16 1,987 /
+    # 2,152 / 2,154): the rows that take the rounds pay more than the others save.
     for _ in range(num_rounds):
-        _count_kernel[(num_rows, triton.cdiv(num_chunks, cpp))](
-            logits, *knobs, bracket, row_f, part, vocab_size, num_chunks, logits.stride(0),
-            part.stride(1), CHUNK_V=chunk_v, BLOCK_V=block_v, NUM_PIVOTS=num_pivots,
-            CHUNKS_PER_PROG=cpp, **opts)
+        _count_kernel[grid](logits, *knobs, bracket, row_f, part, vocab_size, num_chunks,
+                            logits.stride(0), part.stride(1), CHUNK_V=chunk_v,
+                            BLOCK_V=block_v, NUM_PIVOTS=num_pivots, **opts)
         _narrow_kernel[(num_rows,)](*knobs, part, bracket, row_f, vocab_size, num_chunks,
                                     part.stride(1), NC_POW2=nc_pow2, NUM_PIVOTS=num_pivots,
                                     **one)

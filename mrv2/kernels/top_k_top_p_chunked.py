@@ -266,50 +266,41 @@ def _count_kernel(
     vocab_size, num_chunks,                                                          # sizes
     logits_stride, part_stride,                                                      # strides
     CHUNK_V: tl.constexpr, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-    CHUNKS_PER_PROG: tl.constexpr,
 ):
     b = tl.program_id(0)
+    c = tl.program_id(1)
     temp, _k, _top_p, _min_p, use_k, use_p, active = _row_knobs(
         b, idx_mapping_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, vocab_size)
     lo_k, hi_k, lo_p, hi_p, need_k, need_p = _load_bracket(bracket_ptr, b, use_k, use_p,
                                                            NUM_PIVOTS)
     # A program runs only while one of its row's brackets is open.
-    # NOTE: a program takes CHUNKS_PER_PROG chunks: most rows end on their candidates
-    # (top_k_top_p_cand.py), and then a round is mostly programs that read a few words and
-    # exit; fewer of them make such a round cheaper (8 near-empty rounds: 113 us fp32, 154
-    # bf16 at 1 chunk a program, 51 at 4), but the rows that do take the rounds slower
-    # (the dispatcher's COUNT_CHUNKS_PER_PROG says by how much; it stays at 1).
     if active & (need_k | need_p):
         m = tl.load(row_f_ptr + b * 2)
         row_ptr = logits_ptr + b.to(tl.int64) * logits_stride
         piv_k, piv_p = _load_pivots(bracket_ptr, b, NUM_PIVOTS)                # [P], [P]
         lo_k32, hi_k32 = lo_k.to(tl.int32), hi_k.to(tl.int32)
         lo_p32, hi_p32 = lo_p.to(tl.int32), hi_p.to(tl.int32)
-        for cc in range(CHUNKS_PER_PROG):
-            c = tl.program_id(1) * CHUNKS_PER_PROG + cc
-            if c < num_chunks:
-                # Count / sum only the searches still open.
-                if need_k & need_p:
-                    cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
-                        row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32,
-                        hi_p32, piv_k, piv_p, True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-                elif need_k:
-                    cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
-                        row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32,
-                        hi_p32, piv_k, piv_p, True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-                else:
-                    cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
-                        row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32,
-                        hi_p32, piv_k, piv_p, False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
-                # Store [cnt (as fp32 bits) | mass | min_k, max_k, min_p, max_p (bits)].
-                out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
-                pj = tl.arange(0, NUM_PIVOTS)
-                tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
-                tl.store(out + NUM_PIVOTS + pj, mass)
-                e4 = tl.arange(0, 4)
-                ends = tl.where(e4 == 0, min_k,
-                                tl.where(e4 == 1, max_k, tl.where(e4 == 2, min_p, max_p)))
-                tl.store(out + 2 * NUM_PIVOTS + e4, ends.to(tl.float32, bitcast=True))
+        # Count / sum only the searches still open.
+        if need_k & need_p:
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, True, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        elif need_k:
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, True, False, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        else:
+            cnt, mass, min_k, max_k, min_p, max_p = _chunk_partials(
+                row_ptr, c * CHUNK_V, vocab_size, temp, m, lo_k32, hi_k32, lo_p32, hi_p32,
+                piv_k, piv_p, False, True, CHUNK_V, BLOCK_V, NUM_PIVOTS)
+        # Store [cnt (as fp32 bits) | mass | min_k, max_k, min_p, max_p (bits)].
+        out = part_ptr + (b * num_chunks + c).to(tl.int64) * part_stride
+        pj = tl.arange(0, NUM_PIVOTS)
+        tl.store(out + pj, cnt.to(tl.float32, bitcast=True))
+        tl.store(out + NUM_PIVOTS + pj, mass)
+        e4 = tl.arange(0, 4)
+        ends = tl.where(e4 == 0, min_k, tl.where(e4 == 1, max_k, tl.where(e4 == 2, min_p, max_p)))
+        tl.store(out + 2 * NUM_PIVOTS + e4, ends.to(tl.float32, bitcast=True))
 
 
 @triton.jit
