@@ -205,10 +205,10 @@ class Engine(FaultContainment):
         finished = []
         detok = self._detok_token if self.tokenizer is not None else None
         t = now()
+        # NOTE: self._unapplied (set by _process: the whole step) is not a copy shrunk per
+        # request (a set method call per request per step): the ids not applied yet are
+        # worked out only when this loop stops (see below).
         sampling = sched.sampling_req_ids
-        # NOTE: not a copy shrunk per request (a set method call per request per step):
-        # the ids not applied yet are worked out only when applying stops (see below).
-        self._unapplied = sampling
         for req_id, tensors in out.prompt_logprobs.items():
             req = self.scheduler.requests.get(req_id)
             if req is not None:
