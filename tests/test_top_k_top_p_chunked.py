@@ -392,3 +392,74 @@ def test_rows_that_overflow_their_slots_take_the_rounds(monkeypatch):
                                        chunk_v=128)
     assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
     assert seen[0] >= 3 and seen[-1] == 0          # most rows fell back, and all closed
+
+
+def _key_ref(s: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 key ordered like the floats (the kernels' ``_key``)."""
+    bits = s.view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def test_gather_kernel_equals_a_torch_gather():
+    """``top_k_top_p_cand._gather_kernel`` against torch, from the bracket it read: per
+    chunk the count of keys above the open searches' lowest lo and, when they fit, those
+    keys and their s = x / T in id order; a row ``_init_kernel`` marked (more than half the
+    blocks' maxima above lo) keeps the SLOTS + 1 mark untouched."""
+    from mrv2.kernels import top_k_top_p as mod
+
+    g = torch.Generator().manual_seed(31)
+    num_rows, vocab, bv, cv = 5, 700, 32, 128
+    logits = torch.randn(num_rows, vocab, generator=g) * 3
+    logits[:, 4::37] = NEG_INF
+    logits[4] = torch.randn(vocab, generator=g) * 0.01         # flat: top-p alone overflows
+    knobs = _knobs([(0.6, 20, 0.95, 0.0), (0.8, 5, 1.0, 0.0), (1.0, -1, 0.5, 0.0),
+                    (0.7, 12, 0.9, 0.02), (1.0, -1, 0.99, 0.0)])
+    idx = torch.arange(num_rows, dtype=torch.int32)
+    ws = mod.top_k_top_p_workspace(num_rows, vocab, DEVICE, block_v=bv, chunk_v=cv)
+    seen, orig = {}, mod._finish_kernel
+
+    class _Spy:                          # the bracket and candidates the finish reads
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen["bracket"] = ws.bracket[:num_rows, :4].clone()
+                seen["cand"] = ws.cand[:num_rows].clone()
+                orig[grid](*args, **kwargs)
+            return run
+    mod._finish_kernel = _Spy()
+    try:
+        out = _run(logits, idx, *knobs, method="chunked", block_v=bv, chunk_v=cv, workspace=ws)
+    finally:
+        mod._finish_kernel = orig
+    assert torch.equal(out, apply_top_k_top_p_min_p_ref(logits, idx, *knobs))
+    slots, nc = mod.CAND_SLOTS, -(-vocab // cv)
+    b, cand = seen["bracket"].cpu(), seen["cand"].cpu()
+    temp, top_k, top_p, _ = knobs
+    s = logits / temp[:, None]                                   # [B, V] what the kernels see
+    key = _key_ref(s).to(torch.int64)
+    pad = nc * cv - vocab
+    checked = 0
+    for r in range(num_rows):
+        use_k, use_p = 0 < int(top_k[r]) < vocab, float(top_p[r]) < 1.0
+        need_k = use_k and int(b[r, 1] - b[r, 0]) > 1
+        need_p = use_p and int(b[r, 3] - b[r, 2]) > 1
+        if not (need_k or need_p):
+            continue
+        lo = min(int(b[r, 0]) if need_k else 2**31, int(b[r, 2]) if need_p else 2**31)
+        counts = cand[r, :, 0].view(torch.int32)                                 # [NC]
+        # the skip rule, from the block maxima (the bracket's lo is the init's)
+        lo_c = min(int(b[r, 0]) if use_k else 2**31, int(b[r, 2]) if use_p else 2**31)
+        bmax = torch.cat([s[r], torch.full((pad,), NEG_INF)]).view(-1, bv).amax(1)
+        if 2 * int((_key_ref(bmax).to(torch.int64) > lo_c).sum()) > nc * (cv // bv):
+            assert (counts == slots + 1).all(), r
+            continue
+        for c in range(nc):
+            sel = torch.nonzero(key[r, c * cv:(c + 1) * cv] > lo).flatten() + c * cv
+            assert int(counts[c]) == len(sel), (r, c)
+            if 0 < len(sel) <= slots:
+                n = len(sel)
+                assert torch.equal(cand[r, c, 1:1 + n].view(torch.int32).to(torch.int64),
+                                   key[r, sel]), (r, c)
+                assert torch.equal(cand[r, c, 1 + slots:1 + slots + n], s[r, sel]), (r, c)
+                checked += 1
+    assert checked >= 5                     # chunks whose slots were compared (7 here)
+    assert (cand[4, :, 0].view(torch.int32) == slots + 1).all()   # the flat row: skipped
