@@ -247,8 +247,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, idx_mapping: torch.Tensor,
             or part.shape[0] < num_rows or tuple(part.shape[1:]) != (num_chunks, width)
             or cand.shape[0] < num_rows
             or tuple(cand.shape[1:]) != (num_chunks, cand_width(CAND_SLOTS))):
-        raise ValueError(f"workspace has part {tuple(part.shape)} for {bracket.shape[0]} rows; "
-                         f"this call needs >= {num_rows} rows of ({num_chunks}, {width})")
+        raise ValueError(f"workspace has part {tuple(part.shape)}, cand {tuple(cand.shape)} "
+                         f"for {bracket.shape[0]} rows; this call needs >= {num_rows} rows "
+                         f"of ({num_chunks}, {width}) and ({num_chunks}, "
+                         f"{cand_width(CAND_SLOTS)})")
     # The key range spans at most 2**32 values; each round divides it by num_pivots.
     num_rounds = -(-32 // (num_pivots.bit_length() - 1))
     nc_pow2 = triton.next_power_of_2(num_chunks)
