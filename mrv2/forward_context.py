@@ -32,6 +32,9 @@ class AttentionMetadata:
             (``block_id * block_size + offset``); -1 marks a padding token (not written).
         max_query_len: the longest query in the batch (a bound is fine).
         max_seq_len: the longest ``seq_lens`` entry (a bound is fine).
+        req_order: optional ``[num_reqs]`` int32, a permutation of the requests in the order
+            attention's programs take them (``attention.longest_first``); ``None``: batch
+            order. It changes which program computes what, never a result.
     """
 
     query_start_loc: torch.Tensor
@@ -40,6 +43,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    req_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -33,6 +33,7 @@ import torch
 from mrv2.cuda_graphs import CudaGraphManager, GraphKey, graph_shape
 from mrv2.forward_context import AttentionMetadata, set_forward_context
 from mrv2.input_batch import InputBatch
+from mrv2.kernels import attention
 from mrv2.models.qwen3 import ModelDims, bind_kv_cache, kv_cache_shape
 from mrv2.models.qwen3 import model_dims as _model_dims
 
@@ -107,6 +108,8 @@ class ModelState:
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """One eager forward pass over the flat batch; returns ``[T, hidden]``."""
         embeds = self.get_inputs_embeds(input_ids)
+        # Large decode batches: attention starts the longest requests first (graph-safe).
+        attn_metadata = attention.longest_first(attn_metadata)
         with set_forward_context(attn_metadata):
             return self.model(input_ids, positions, inputs_embeds=embeds)
 

@@ -127,7 +127,13 @@ class ModelRunner(RunnerInterface):
                                    max_query_len=max(32, 1 + (self.spec.k if self.spec else 0)))
         width = self.block_tables.input_block_table.shape[1]
         n = precompile(self.kv_caches[0], dims.num_heads, width, variants, progress=progress)
-        from mrv2.kernels import decode_attention
+        from mrv2.kernels import attention, decode_attention
+        if attention.ORDER_ENABLED and self.max_num_reqs >= attention.ORDER_MIN_REQS:
+            # large decode batches read a request order (ModelState.forward, longest_first)
+            n += precompile(self.kv_caches[0], dims.num_heads, width, launch_variants(
+                dims.num_heads, dims.num_kv_heads, dims.head_dim, self.max_num_reqs,
+                self.max_model_len, max_query_len=1, min_num_reqs=attention.ORDER_MIN_REQS),
+                ordered=True)
         if decode_attention.ENABLED:  # the decode steps' fused RoPE + attention kernel
             from mrv2.kernels.attention_warmup import precompile_decode_rope
             from mrv2.models.qwen3 import rope_inputs

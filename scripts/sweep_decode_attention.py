@@ -50,6 +50,16 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 BLOCK_N = (32, 64, 128)
 WARPS_STAGES = ((2, 3), (2, 4), (4, 2), (4, 3), (8, 2))
 QUICK = {"splits": (1, 2, 4, 8, 16), "block_n": (64, 128), "warps_stages": ((2, 3), (4, 2))}
+#: ``--wide``: 16-key tiles and one-warp programs too. NOTE: job 13A (session 13) found one
+#: warp with 16 keys and 2 stages fastest at 128-256 requests and 96-192 keys (30.6 us vs
+#: 37.0 at 256 x 96): a small program (fewer registers, 242 -> fewer at 2 warps x 64 keys)
+#: fits more copies on an SM, which hides the latency of each one's page-table -> key chain.
+WIDE = {"block_n": (16, 32, 64, 128), "warps_stages": ((1, 2), (1, 3), (2, 3), (2, 4), (4, 2))}
+
+
+def wide_splits(batch: int) -> tuple[int, ...]:
+    """``--wide``'s split counts: many requests fill the GPU without splitting."""
+    return (1, 2) if batch >= 64 else (1, 2, 4, 8) if batch >= 16 else SPLITS
 
 
 def _time_us(fn) -> float:
@@ -67,18 +77,21 @@ def _time_us(fn) -> float:
         return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def candidates(ctx: int, quick: bool, smoke: bool) -> list[dict]:
-    """Launches worth timing at one context (every split gets at least one key tile)."""
+def candidates(ctx: int, quick: bool, smoke: bool, wide_batch: int | None = None) -> list[dict]:
+    """Launches worth timing at one context (every split gets at least one key tile);
+    ``wide_batch``: ``--wide``'s set for that batch size."""
     if smoke:
         return [{"num_splits": s, "block_n": 64, "num_warps": 4, "num_stages": 2} for s in (1, 2)]
     sp, bn, ws = ((QUICK["splits"], QUICK["block_n"], QUICK["warps_stages"]) if quick
                   else (SPLITS, BLOCK_N, WARPS_STAGES))
+    if wide_batch is not None:
+        sp, bn, ws = wide_splits(wide_batch), WIDE["block_n"], WIDE["warps_stages"]
     return [{"num_splits": s, "block_n": n, "num_warps": w, "num_stages": st}
             for s in sp for n in bn for w, st in ws if s <= triton.cdiv(ctx, n)]
 
 
 def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: float,
-                quick: bool, smoke: bool) -> dict:
+                quick: bool, smoke: bool, wide: bool = False) -> dict:
     """Time the candidates of one (batch, context); returns the best and the heuristic."""
     h, h_kv, d = shape
     q, kv_cache, md = decode_batch(b, ctx, h, h_kv, d, 16, dtype, seed=b + ctx)
@@ -88,7 +101,7 @@ def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: 
     heur = heuristic_decode_config(b, ctx, h_kv, _num_sms() if HAS_CUDA else 132)
     expected = paged_attention(q, kv_cache, md, scale, config=heur).float()
     timings = []
-    for cfg in candidates(ctx, quick, smoke):
+    for cfg in candidates(ctx, quick, smoke, b if wide else None):
         try:
             us = _time_us(lambda cfg=cfg: paged_attention(q, kv_cache, md, scale, out,
                                                           config=cfg))
@@ -114,6 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (runs on the CPU)")
     ap.add_argument("--quick", action="store_true", help="fewer candidate launches")
+    ap.add_argument("--wide", action="store_true",
+                    help="16-key tiles and one-warp launches too (splits by batch size)")
+    ap.add_argument("--batches", default=None, help="comma list (default: the table's grid)")
+    ap.add_argument("--contexts", default=None, help="comma list (default: the table's grid)")
+    ap.add_argument("--update-table", action="store_true",
+                    help="with --write-table: keep the committed table's entries at the grid "
+                         "points not swept (instead of the heuristic)")
     ap.add_argument("--max-seconds", type=float, default=420.0,
                     help="stop sweeping after this long (missing points: the heuristic)")
     ap.add_argument("--write-table", action="store_true",
@@ -126,8 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("the sweep needs a CUDA GPU; use --smoke on the CPU")
     shape = (4, 2, 16) if args.smoke else (16, 8, 128)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    batches = [int(x) for x in args.batches.split(",")] if args.batches else GRID_BATCH
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else GRID_CONTEXT
     grid = ([(1, 40), (2, 130)] if args.smoke
-            else [(b, c) for b in GRID_BATCH for c in GRID_CONTEXT])
+            else [(b, c) for b in batches for c in contexts])
     copy_tbs = copy_bandwidth_tbs(args.smoke)
     t0 = time.perf_counter()
     points = []
@@ -135,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         if time.perf_counter() - t0 > args.max_seconds:
             print(f"time budget spent: b={b} ctx={c} and later keep the heuristic")
             break
-        p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke)
+        p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke, args.wide)
         points.append(p)
         print(f"b={b:>4} ctx={c:>5} best splits={p['num_splits']:>2} block_n={p['block_n']:>3} "
               f"warps={p['num_warps']} stages={p['num_stages']} {p['us']:8.1f} us "
@@ -156,17 +178,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write_table:
         num_sms = _num_sms() if HAS_CUDA else 132
         swept = {(p["batch"], p["context"]): p for p in points}
+        old = {}
+        if args.update_table and pathlib.Path(args.table_out).exists():
+            old_table = validate_table(json.loads(pathlib.Path(args.table_out).read_text()))
+            old = {(e["batch"], e["context"]): e for e in old_table["entries"]}
         entries = []
         for b in GRID_BATCH:
             for c in GRID_CONTEXT:
                 p = swept.get((b, c))
+                if p is None and (b, c) in old:
+                    entries.append(old[(b, c)])
+                    continue
                 cfg = ({k: p[k] for k in ("num_splits", "block_n", "num_warps", "num_stages")}
                        if p else heuristic_decode_config(b, c, shape[1], num_sms))
                 entries.append({"batch": b, "context": c, **cfg,
                                 **({"us": round(p["us"], 2),
                                     "frac_of_copy": round(p["frac_of_copy"], 3)} if p else {})})
-        table = validate_table({"source": f"scripts/sweep_decode_attention.py, {hw}, "
-                                          f"{date:%Y-%m-%d}, {len(points)} points swept",
+        source = (f"scripts/sweep_decode_attention.py, {hw}, {date:%Y-%m-%d}, "
+                  f"{len(points)} points swept" + (" --wide" if args.wide else ""))
+        if old:
+            source += f"; the other points from the previous table ({old_table['source']})"
+        table = validate_table({"source": source,
                                 "num_sms": num_sms, "num_kv_heads": shape[1],
                                 "entries": entries})
         pathlib.Path(args.table_out).write_text(json.dumps(table, indent=1) + "\n")

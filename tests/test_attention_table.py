@@ -120,3 +120,42 @@ def test_sweep_script_smoke_writes_a_valid_table(tmp_path):
     assert all(p["us"] > 0 and p["max_abs_diff_vs_heuristic"] < 1e-5 for p in res["points"])
     table = load_table(str(table_path))
     assert len(table["entries"]) == len(GRID_BATCH) * len(GRID_CONTEXT)
+
+
+def _sweep_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("sweep_decode_attention", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_sweep_wide_candidates_have_small_tiles_and_few_splits_at_large_batches():
+    sweep = _sweep_module()
+    big = sweep.candidates(128, quick=False, smoke=False, wide_batch=256)
+    assert {c["num_splits"] for c in big} == {1, 2}
+    assert any(c["block_n"] == 16 and c["num_warps"] == 1 and c["num_stages"] == 2 for c in big)
+    # every split keeps at least one key tile: 40 keys in 16-key tiles allow 3 splits at most
+    small = sweep.candidates(40, quick=False, smoke=False, wide_batch=1)
+    assert max(c["num_splits"] for c in small if c["block_n"] == 16) == 2
+    assert max(c["num_splits"] for c in small if c["block_n"] == 128) == 1
+
+
+def test_sweep_update_table_keeps_the_entries_it_did_not_sweep(tmp_path):
+    sweep = _sweep_module()
+    table_path = tmp_path / "table.json"
+    old = default_table()
+    marked = next(e for e in old["entries"] if (e["batch"], e["context"]) == (4, 512))
+    marked.update(num_splits=3, block_n=32, num_warps=1, num_stages=5)
+    table_path.write_text(json.dumps(old))
+    args = ["--smoke", "--out", str(tmp_path / "s.json"), "--write-table",
+            "--table-out", str(table_path)]
+    sweep.main([*args, "--update-table"])  # the smoke grid holds no table point
+    kept = {(e["batch"], e["context"]): e for e in json.loads(table_path.read_text())["entries"]}
+    assert (kept[(4, 512)]["num_splits"], kept[(4, 512)]["num_warps"]) == (3, 1)
+    sweep.main(args)  # without --update-table: the heuristic again
+    fresh = {(e["batch"], e["context"]): e for e in json.loads(table_path.read_text())["entries"]}
+    assert fresh[(4, 512)]["num_warps"] != 1

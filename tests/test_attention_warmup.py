@@ -130,3 +130,42 @@ def test_runner_precompiles_fused_decode_launches_only_up_to_its_token_cap(monke
     assert any(v["num_splits"] == 16 and v["block_n"] == 64 for v in want), (one, want)
     assert decode_attention.pick_config(1, dims.num_kv_heads, 2, 1, 1024)["num_splits"] == 16
     assert decode_attention.pick_config(1, dims.num_kv_heads, 2, 1, 60)["num_splits"] == 1
+
+
+def test_runner_precompiles_the_ordered_decode_launches_of_large_batches(monkeypatch):
+    """Decode steps of >= ORDER_MIN_REQS requests launch with a request order (its own
+    compiled variant): the warm-up walks those batch sizes once more, with the order."""
+    from mrv2 import LLM
+    from mrv2.kernels import attention_warmup, decode_attention
+
+    llm = LLM(max_model_len=64, max_num_seqs=attention.ORDER_MIN_REQS, dtype="float32",
+              enforce_eager=True)
+    calls = []
+    monkeypatch.setattr(attention_warmup, "precompile",
+                        lambda *a, **k: calls.append((k.get("ordered", False), a[3])) or 1)
+    monkeypatch.setattr(decode_attention, "ENABLED", False)
+    monkeypatch.setattr(attention, "ORDER_ENABLED", True)
+    assert llm.runner.precompile_attention() == 2
+    dims = llm.runner.dims
+    assert [o for o, _ in calls] == [False, True]
+    assert calls[1][1] == launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                          attention.ORDER_MIN_REQS, 64, max_query_len=1,
+                                          min_num_reqs=attention.ORDER_MIN_REQS)
+    calls.clear()
+    monkeypatch.setattr(attention, "ORDER_ENABLED", False)
+    assert llm.runner.precompile_attention() == 1 and [o for o, _ in calls] == [False]
+
+
+def test_precompile_launches_the_ordered_variant(monkeypatch):
+    seen = []
+    real = attention.paged_attention
+
+    def spy(q, kv_cache, md, scale, out=None, **kw):
+        seen.append(None if md.req_order is None else md.req_order.tolist())
+        return real(q, kv_cache, md, scale, out, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    kv_cache = torch.zeros(2, 4, 16, 2, 32, device=DEVICE)
+    variants = launch_variants(4, 2, 32, 2, 64, max_query_len=1)[:1]
+    assert precompile(kv_cache, 4, 3, variants, ordered=True) == 1
+    assert seen == [[0]]

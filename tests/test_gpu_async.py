@@ -150,3 +150,32 @@ def test_new_batch_sizes_and_lengths_compile_no_kernel():
         run(2, 16, 33, 34, 3)   # a batch divisible by 16, 33-token prompts
         run(3, 1, 1, 2, 2)      # a single one-token prompt
     assert compiled == [], f"compiled inside the runs: {sorted(set(compiled))}"
+
+
+def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypatch):
+    """At >= ORDER_MIN_REQS decode requests attention's programs take the longest requests
+    first (``attention.longest_first``, in the captured graphs): the step loop stays free of
+    syncs and the fp32 greedy tokens equal those of a runner without the order."""
+    from mrv2.kernels import attention
+
+    seen = []
+    real = attention.longest_first
+
+    def spy(md):
+        out = real(md)
+        seen.append(out.req_order is not None)
+        return out
+
+    monkeypatch.setattr(attention, "longest_first", spy)
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=72, seed=0)
+    llm = LLM(DEFAULT_MODEL_DIR, **kw)
+    assert any(seen)  # the large decode graphs were captured with an order
+    vocab = llm.hf_config.vocab_size
+    prompts = _prompts(7, 70, vocab, 3, 90)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 70
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    outs = generate_without_sync(llm, prompts, params)
+    del llm
+    monkeypatch.setattr(attention, "ORDER_ENABLED", False)
+    plain = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

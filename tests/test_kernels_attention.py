@@ -1,5 +1,6 @@
 """paged_attention (Triton) against its torch reference on mixed prefill/decode batches."""
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -173,3 +174,60 @@ def test_decode_fp32_cuda():
     expected = paged_attention_ref(q, kv_cache, md, 128 ** -0.5)
     got = paged_attention(q, kv_cache, md, 128 ** -0.5)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# -- longest_first: a request order for the programs (changes placement, not results) ------
+
+def test_request_order_is_longest_first_stable_and_puts_padding_last():
+    from mrv2.kernels.attention import request_order
+
+    seq_lens = torch.tensor([5, 900, 0, 37, 900, 1, 0], dtype=torch.int32, device=DEVICE)
+    order = request_order(seq_lens)
+    assert order.dtype == torch.int32
+    assert order.tolist() == [1, 4, 3, 0, 5, 2, 6]  # ties (900, 0) keep batch order
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_request_order_changes_no_result(num_splits):
+    # Each program reads its request from req_order: any permutation (longest first, or a
+    # random one) must give the batch-order result exactly, padding rows included.
+    reqs = [(40, 1), (0, 1), (300, 1), (5, 1), (77, 1)]
+    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=2, num_pad_tokens=1, seed=3)
+    plain = paged_attention(q, kv_cache, md, 0.25, num_splits=num_splits)
+    torch.testing.assert_close(plain, paged_attention_ref(q, kv_cache, md, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    from mrv2.kernels.attention import request_order
+
+    g = torch.Generator().manual_seed(0)
+    for order in (request_order(md.seq_lens),
+                  torch.randperm(md.num_reqs, generator=g).to(torch.int32).to(DEVICE)):
+        md_o = dataclasses.replace(md, req_order=order)
+        got = paged_attention(q, kv_cache, md_o, 0.25, num_splits=num_splits)
+        assert torch.equal(got[:len(reqs)], plain[:len(reqs)])
+
+
+def test_longest_first_orders_only_large_gpu_decode_batches():
+    from mrv2.kernels import attention
+
+    reqs = [(i % 7, 1) for i in range(attention.ORDER_MIN_REQS)]
+    _, _, md = make_batch(reqs, 2, 1, 16)
+    ordered = attention.longest_first(md)
+    assert (ordered.req_order is not None) == (md.seq_lens.is_cuda and attention.ORDER_ENABLED)
+    small = dataclasses.replace(md, seq_lens=md.seq_lens[:attention.ORDER_MIN_REQS - 1])
+    assert attention.longest_first(small) is small  # the fused kernel's range: no order
+    assert attention.longest_first(dataclasses.replace(md, max_query_len=2)).req_order is None
+
+
+@pytest.mark.gpu
+def test_longest_first_on_the_gpu_bf16():
+    from mrv2.kernels import attention
+
+    reqs = [((i * 37) % 300, 1) for i in range(attention.ORDER_MIN_REQS + 3)]
+    q, kv_cache, md = make_batch(reqs, 16, 8, 128, num_pad_reqs=5, dtype=torch.bfloat16,
+                                 device="cuda")
+    md_o = attention.longest_first(md)
+    assert md_o.req_order is not None
+    assert md_o.req_order.tolist()[:2] == sorted(range(len(reqs)), key=lambda b: -reqs[b][0])[:2]
+    plain = paged_attention(q, kv_cache, md, 128 ** -0.5)
+    got = paged_attention(q, kv_cache, md_o, 128 ** -0.5)
+    assert torch.equal(got[:len(reqs)], plain[:len(reqs)])

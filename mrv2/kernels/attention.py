@@ -15,6 +15,8 @@ kernel. See notebooks/01_qwen3_and_paged_kv.ipynb.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +30,7 @@ from mrv2.kernels.attention_table import (
     load_table,
 )
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.platform import TRITON_INTERPRET, interpreter_body
+from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 _LOG2E = 1.4426950408889634
 
@@ -135,6 +137,7 @@ def _paged_attention_kernel(
     ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    req_order_ptr=None, HAS_ORDER: tl.constexpr = False,                      # optional
 ):
     # NOTE: with PDL every input may come from the kernel before: wait first, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
@@ -144,7 +147,10 @@ def _paged_attention_kernel(
     # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
     # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
     # pays per operation, folds several into one block-diagonal problem (see below).
-    b = tl.program_id(0)
+    if HAS_ORDER:  # the request of this program slot (longest_first: long ones start first)
+        b = tl.load(req_order_ptr + tl.program_id(0))
+    else:
+        b = tl.program_id(0)
     q_block = tl.program_id(1)
     kh0 = tl.program_id(2) // NUM_SPLITS * KV_FOLD
     split = tl.program_id(2) % NUM_SPLITS
@@ -303,6 +309,38 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     return cfg
 
 
+#: ``longest_first`` orders decode batches of at least this many requests (below it the model
+#: takes ``decode_attention``'s fused kernel, which ignores the order; and a small grid runs
+#: in one wave, where the order of its programs does not matter).
+ORDER_MIN_REQS = 64
+#: On a GPU unless ``MRV2_ATTENTION_ORDER=0``.
+ORDER_ENABLED: bool = not TRITON_INTERPRET and env_switch("MRV2_ATTENTION_ORDER", True)
+
+
+def longest_first(md: AttentionMetadata) -> AttentionMetadata:
+    """``md`` with ``req_order``: the requests by descending ``seq_lens`` (a decode step of at
+    least ``ORDER_MIN_REQS`` requests on a GPU; else ``md`` unchanged).
+
+    Why: a decode launch has one program per (request, KV head), far more than fit on the
+    GPU at once, and the GPU starts them roughly in grid order. Contexts differ (the
+    standard workload's run from ~110 to ~2,000 keys), so a long request whose programs
+    start last finishes alone while most SMs idle. Started first, the long programs overlap
+    the short ones and the launch ends with short programs: the longest-processing-time-
+    first rule of scheduling. One argsort a step (on the GPU, no sync, inside the graph);
+    every layer's launch reads the same order.
+    """
+    if (not ORDER_ENABLED or md.req_order is not None or md.max_query_len != 1
+            or md.num_reqs < ORDER_MIN_REQS or not md.seq_lens.is_cuda):
+        return md
+    return dataclasses.replace(md, req_order=request_order(md.seq_lens))
+
+
+def request_order(seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[num_reqs]`` int32: the request indices by descending length (padding rows, length
+    0, last). NOTE: stable, so equal lengths keep batch order (a deterministic placement)."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+
+
 def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(part_acc [T, H, splits, D], part_ml [T, H, splits, 2])`` for the split parts
     of an attention launch writing ``out [T, H, D]`` (empty with one split: unused)."""
@@ -389,7 +427,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         DOT_PRECISION="ieee" if fp32 else "tf32",
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
-        BLOCK_D=block_d, PDL=use_pdl,
+        BLOCK_D=block_d, PDL=use_pdl, req_order_ptr=md.req_order,
+        HAS_ORDER=md.req_order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:

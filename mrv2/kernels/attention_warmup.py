@@ -20,6 +20,8 @@ real calls: it uses the runner's own KV cache and a block table of the real widt
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 
 import torch
@@ -46,7 +48,7 @@ def _contexts(max_model_len: int) -> list[int]:
 
 def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_reqs: int,
                     max_model_len: int, max_query_len: int = 32,
-                    pick: Callable[..., dict] | None = None) -> list[dict]:
+                    pick: Callable[..., dict] | None = None, min_num_reqs: int = 1) -> list[dict]:
     """Every distinct launch configuration ``paged_attention`` may pick for this model.
 
     Args:
@@ -57,6 +59,8 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_re
             prefill launch, whose choice does not depend on the length).
         pick: the picker walked (``attention._pick_config``'s signature; default that one,
             ``decode_attention.pick_config`` for the fused decode kernel).
+        min_num_reqs: the fewest requests walked (``attention.ORDER_MIN_REQS`` for the
+            launches that read a request order).
 
     Returns:
         The configurations (dicts of ``_pick_config``'s keys), each once.
@@ -69,7 +73,7 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, max_num_re
     # decode/prefill and single-token boundaries: both ends of each class are walked.
     q_lens = sorted({q for p in (1, 2, 4, 8, 16, 32) for q in (p, p + 1)
                      if q <= max_query_len})
-    for num_reqs in range(1, max_num_reqs + 1):
+    for num_reqs in range(min_num_reqs, max_num_reqs + 1):
         for q_len in q_lens:
             for ctx in contexts:
                 if ctx < q_len:
@@ -92,7 +96,7 @@ def _dummy_metadata(device: torch.device, block_table_width: int) -> AttentionMe
 
 def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
                variants: list[dict], dtype: torch.dtype | None = None,
-               progress: bool = False) -> int:
+               progress: bool = False, ordered: bool = False) -> int:
     """Launch ``paged_attention`` once per variant on a one-token dummy problem.
 
     Args:
@@ -103,6 +107,7 @@ def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
         variants: from ``launch_variants``.
         dtype: the queries' dtype (default: the cache's).
         progress: a tqdm bar.
+        ordered: launch with a request order (``attention.longest_first``'s variant).
 
     Returns:
         How many variants were launched.
@@ -110,6 +115,8 @@ def precompile(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
     device, head_dim = kv_cache.device, kv_cache.shape[-1]
     dtype = dtype or kv_cache.dtype
     md = _dummy_metadata(device, block_table_width)
+    if ordered:
+        md = dataclasses.replace(md, req_order=attention.request_order(md.seq_lens))
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)  # [1, H, D]
     it = variants
     if progress:
