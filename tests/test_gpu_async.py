@@ -167,7 +167,7 @@ def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypa
         return out
 
     monkeypatch.setattr(attention, "longest_first", spy)
-    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=72, seed=0)
+    kw = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 72, "seed": 0}
     llm = LLM(DEFAULT_MODEL_DIR, **kw)
     assert any(seen)  # the large decode graphs were captured with an order
     vocab = llm.hf_config.vocab_size

@@ -21,7 +21,6 @@ real calls: it uses the runner's own KV cache and a block table of the real widt
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 
 import torch
