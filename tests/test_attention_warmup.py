@@ -138,8 +138,8 @@ def test_runner_precompiles_the_ordered_decode_launches_of_large_batches(monkeyp
     from mrv2 import LLM
     from mrv2.kernels import attention_warmup, decode_attention
 
-    llm = LLM(max_model_len=64, max_num_seqs=attention.ORDER_MIN_REQS, dtype="float32",
-              enforce_eager=True)
+    llm = LLM(max_model_len=attention.ORDER_MIN_SEQ_LEN, max_num_seqs=attention.ORDER_MIN_REQS,
+              dtype="float32", enforce_eager=True)
     calls = []
     monkeypatch.setattr(attention_warmup, "precompile",
                         lambda *a, **k: calls.append((k.get("ordered", False), a[3])) or 1)
@@ -149,7 +149,8 @@ def test_runner_precompiles_the_ordered_decode_launches_of_large_batches(monkeyp
     dims = llm.runner.dims
     assert [o for o, _ in calls] == [False, True]
     assert calls[1][1] == launch_variants(dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                          attention.ORDER_MIN_REQS, 64, max_query_len=1,
+                                          attention.ORDER_MIN_REQS, attention.ORDER_MIN_SEQ_LEN,
+                                          max_query_len=1,
                                           min_num_reqs=attention.ORDER_MIN_REQS)
     calls.clear()
     monkeypatch.setattr(attention, "ORDER_ENABLED", False)

@@ -153,8 +153,8 @@ def test_new_batch_sizes_and_lengths_compile_no_kernel():
 
 
 def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypatch):
-    """At >= ORDER_MIN_REQS decode requests attention's programs take the longest requests
-    first (``attention.longest_first``, in the captured graphs): the step loop stays free of
+    """At >= ORDER_MIN_REQS decode requests (and a long enough model) attention's programs
+    take the longest requests first (``attention.longest_first``, in the captured graphs): the step loop stays free of
     syncs and the fp32 greedy tokens equal those of a runner without the order."""
     from mrv2.kernels import attention
 
@@ -167,7 +167,8 @@ def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypa
         return out
 
     monkeypatch.setattr(attention, "longest_first", spy)
-    kw = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 72, "seed": 0}
+    kw = {"dtype": "float32", "max_model_len": attention.ORDER_MIN_SEQ_LEN, "max_num_seqs": 72,
+          "seed": 0}
     llm = LLM(DEFAULT_MODEL_DIR, **kw)
     assert any(seen)  # the large decode graphs were captured with an order
     vocab = llm.hf_config.vocab_size

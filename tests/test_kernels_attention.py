@@ -211,10 +211,13 @@ def test_longest_first_orders_only_large_gpu_decode_batches():
 
     reqs = [(i % 7, 1) for i in range(attention.ORDER_MIN_REQS)]
     _, _, md = make_batch(reqs, 2, 1, 16)
+    md = dataclasses.replace(md, max_seq_len=attention.ORDER_MIN_SEQ_LEN)  # a bound
     ordered = attention.longest_first(md)
     assert (ordered.req_order is not None) == (md.seq_lens.is_cuda and attention.ORDER_ENABLED)
     small = dataclasses.replace(md, seq_lens=md.seq_lens[:attention.ORDER_MIN_REQS - 1])
     assert attention.longest_first(small) is small  # the fused kernel's range: no order
+    short = dataclasses.replace(md, max_seq_len=attention.ORDER_MIN_SEQ_LEN - 1)
+    assert attention.longest_first(short) is short  # short contexts: not worth the sort
     assert attention.longest_first(dataclasses.replace(md, max_query_len=2)).req_order is None
 
 
@@ -225,6 +228,7 @@ def test_longest_first_on_the_gpu_bf16():
     reqs = [((i * 37) % 300, 1) for i in range(attention.ORDER_MIN_REQS + 3)]
     q, kv_cache, md = make_batch(reqs, 16, 8, 128, num_pad_reqs=5, dtype=torch.bfloat16,
                                  device="cuda")
+    md = dataclasses.replace(md, max_seq_len=max(md.max_seq_len, attention.ORDER_MIN_SEQ_LEN))
     md_o = attention.longest_first(md)
     assert md_o.req_order is not None
     assert md_o.req_order.tolist()[:2] == sorted(range(len(reqs)), key=lambda b: -reqs[b][0])[:2]
