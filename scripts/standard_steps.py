@@ -25,9 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mrv2.bench import llm_runs  # noqa: E402
-from mrv2.bench.workloads import make_workload  # noqa: E402
-from mrv2.timeline import Timeline  # noqa: E402
+from mrv2.bench import llm_runs
+from mrv2.bench.workloads import make_workload
+from mrv2.timeline import Timeline
 
 KV_BYTES_PER_TOKEN = 114_688      # Qwen3-0.6B: 28 layers x 8 KV heads x 128 x 2 x 2 bytes
 WEIGHT_BYTES = 1_192_099_840      # Qwen3-0.6B bf16

@@ -27,7 +27,7 @@ def test_summarize_splits_prefill_and_decode_and_buckets_by_batch():
     tot, buckets = s.summarize(recs, gpu)
     assert (tot["prefill_steps"], tot["prefill_gpu_ms"]) == (1, 5.0)
     assert (tot["decode_steps"], tot["decode_gpu_ms"]) == (2, 4.0)
-    roof = lambda ctx: (s.WEIGHT_BYTES + ctx * s.KV_BYTES_PER_TOKEN) / s.BANDWIDTH * 1e3  # noqa: E731
+    roof = lambda ctx: (s.WEIGHT_BYTES + ctx * s.KV_BYTES_PER_TOKEN) / s.BANDWIDTH * 1e3
     assert tot["decode_roofline_ms"] == pytest.approx(roof(4000) + roof(7000))
     assert list(buckets) == [32, 64]
     assert buckets[64]["steps"] == 1 and buckets[64]["gpu_ms"] == pytest.approx(2.5)
