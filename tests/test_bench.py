@@ -376,3 +376,26 @@ def test_busy_us_counts_overlapping_kernels_once():
     assert busy_us([(0.0, 2.0)]) == 2.0
     # a PDL kernel starting inside its predecessor, one nested, a gap, one touching
     assert busy_us([(5.0, 7.0), (0.0, 3.0), (1.0, 4.0), (1.5, 2.0), (7.0, 8.0)]) == 4.0 + 3.0
+
+
+def test_decode_warmup_waits_for_the_last_prefill_chunk():
+    from mrv2.bench.decode_profile import decode_warmup
+
+    assert decode_warmup(1, 128, 8192, 4) == 4              # one prefill step: as asked
+    assert decode_warmup(256, 32, 8192, 4) == 4             # exactly the budget
+    # 196,608 prompt tokens, 8,192 a step less up to 256 decodes: 25 steps, then one more
+    assert decode_warmup(256, 768, 8192, 4) == 26
+    assert decode_warmup(4, 8, 16, 1) == 4                  # 32 tokens at 12 a step: 3 + 1
+
+
+def test_profile_decode_records_its_warmup_and_refuses_a_too_long_run():
+    from mrv2.bench.decode_profile import profile_decode
+
+    kw = {"model": None, "dtype": "float32", "max_model_len": 16,
+          "max_num_batched_tokens": 16, "skip_tokenizer_init": True}
+    res = profile_decode(kw, batch_sizes=(4,), contexts=(8,), steps=2, warmup=1, repeats=1)
+    (point,) = res["points"]
+    assert point["warmup_steps"] == 4
+    assert point["roofline"]["context"] == 8 + 4 + 1.5   # the measured steps' mean context
+    with pytest.raises(ValueError, match="above max_model_len=16"):
+        profile_decode(kw, batch_sizes=(4,), contexts=(8,), steps=5, warmup=1, repeats=1)

@@ -68,6 +68,23 @@ def _kernel_totals(llm: LLM, prompts, sp) -> tuple[dict[str, list[float]], float
     return dict(totals), busy_us(spans)
 
 
+def decode_warmup(batch: int, context: int, budget: int, warmup: int) -> int:
+    """Decode steps both runs share before the measured ones: ``warmup``, or more when the
+    prompts are prefilled in chunks.
+
+    NOTE: ``batch x context`` prompt tokens above the step's token budget are prefilled
+    over several steps, and until the last chunk the short run's first requests finish
+    while the long run's keep decoding: the two runs then differ in more than the measured
+    decode steps (job 13A, 256 x 768 keys, budget 8,192: fractional launch counts, GPU ms
+    above wall ms). Both runs decode past the last chunk first; while prefilling, each step
+    also decodes up to ``batch`` tokens of the requests already in.
+    """
+    if batch * context <= budget:
+        return warmup
+    chunks = -(-batch * context // max(budget - batch, 1))
+    return max(warmup, chunks + 1)
+
+
 def step_kernels(short: dict, long: dict, steps: int) -> list[dict]:
     """Per-kernel cost of one step: ``(long - short) / steps``, most expensive first.
 
@@ -96,7 +113,8 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
         llm_kwargs: ``LLM`` arguments; ``max_num_seqs`` and prefix caching are set here.
         batch_sizes, contexts: the grid (context = prompt tokens of every request).
         steps: decode steps measured (the difference of the two runs).
-        warmup: decode steps both runs share before the measured ones.
+        warmup: decode steps both runs share before the measured ones (more where the
+            prompts are prefilled in chunks: ``decode_warmup``; each point records its own).
         temperature: of every request (0: greedy, no Gumbel noise).
         repeats: wall-clock pairs per point (the median counts).
         top: rows of the per-kernel table kept per point.
@@ -113,11 +131,21 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
     info = model_info(llm.model, llm.hf_config, llm.dtype)
     bw = copy_bandwidth(platform.DEVICE, None if platform.HAS_CUDA else 8 << 20)
     vocab = llm.hf_config.vocab_size
+    budget, max_len = (llm.scheduler_config.max_num_batched_tokens,
+                       llm.scheduler_config.max_model_len)
+    for ctx in contexts:  # every point fits, checked before any of them runs
+        for b in batch_sizes:
+            need = ctx + 1 + decode_warmup(b, ctx, budget, warmup) + steps
+            if need > max_len:
+                raise ValueError(f"bench decode: batch {b} x context {ctx} needs {need} tokens "
+                                 f"a request (warm-up steps past a chunked prefill, {steps} "
+                                 f"measured), above max_model_len={max_len}")
     points = []
     for ctx in contexts:
         for b in batch_sizes:
+            wu = decode_warmup(b, ctx, budget, warmup)
             prompts = _prompts(b, ctx, vocab, seed=b * 7919 + ctx)
-            sp = [SamplingParams(temperature=temperature, max_tokens=1 + warmup + n,
+            sp = [SamplingParams(temperature=temperature, max_tokens=1 + wu + n,
                                  ignore_eos=True, seed=0) for n in (0, steps)]
             _timed_generate(llm, prompts, sp[1])  # warm-up: compiles, graph captures
             wall = statistics.median(
@@ -126,11 +154,11 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
             (short, busy0), (long, busy1) = (_kernel_totals(llm, prompts, s) for s in sp)
             table = step_kernels(short, long, steps)
             gpu_ms = max(busy1 - busy0, 0.0) / steps / 1e3
-            # the measured steps read contexts ctx + 1 + warmup ... ctx + warmup + steps
+            # the measured steps read contexts ctx + 1 + wu ... ctx + wu + steps
             roof = decode_roofline(info["weight_bytes"], info["kv_bytes_per_token"], b,
-                                   ctx + warmup + (steps + 1) / 2, bw["bandwidth_gbs"])
+                                   ctx + wu + (steps + 1) / 2, bw["bandwidth_gbs"])
             points.append({
-                "batch": b, "context": ctx,
+                "batch": b, "context": ctx, "warmup_steps": wu,
                 "kernels_per_step": sum(r["launches_per_step"] for r in table),
                 "gpu_ms_per_step": gpu_ms, "wall_ms_per_step": wall, "roofline": roof,
                 "kernel_sum_ms_per_step": sum(r["ms_per_step"] for r in table),
