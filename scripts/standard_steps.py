@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
         g = gpu.setdefault(s, [a, b])
         g[0], g[1] = min(g[0], a), max(g[1], b)
     totals, buckets = summarize(recs, gpu)
-    res = {"workload": args.workload, "run": run, "summary": totals, "buckets": buckets,
+    from mrv2.bench.report import environment
+
+    res = {**environment(), "workload": args.workload, "attention_order":
+           os.environ.get("MRV2_ATTENTION_ORDER", "1") != "0",
+           "run": run, "summary": totals, "buckets": buckets,
            "recs": recs, "gpu": {str(k): v for k, v in gpu.items()}}
     pathlib.Path(args.out).write_text(json.dumps(res))
     print(json.dumps({"output_tok_s": run["output_tok_s"], **totals}, indent=1))
