@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from script_loader import load_script
 from test_kernels_attention import make_batch
 
 from mrv2.kernels import attention
@@ -106,13 +107,7 @@ def test_every_launch_in_the_table_matches_the_reference():
 
 
 def test_sweep_script_smoke_writes_a_valid_table(tmp_path):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("sweep_decode_attention", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _sweep_module()
     table_path = tmp_path / "table.json"
     res = sweep.main(["--smoke", "--out", str(tmp_path / "s.json"), "--write-table",
                       "--table-out", str(table_path)])
@@ -123,14 +118,7 @@ def test_sweep_script_smoke_writes_a_valid_table(tmp_path):
 
 
 def _sweep_module():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sweep_decode_attention.py"
-    spec = importlib.util.spec_from_file_location("sweep_decode_attention", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    return sweep
+    return load_script("sweep_decode_attention")
 
 
 def test_sweep_wide_candidates_have_small_tiles_and_few_splits_at_large_batches():

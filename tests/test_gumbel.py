@@ -7,6 +7,7 @@ import pytest
 import torch
 from device_utils import on_device
 from scipy import stats
+from script_loader import load_script
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.gumbel import gumbel_noise, gumbel_sample, gumbel_sample_ref
@@ -368,13 +369,8 @@ def test_gpu_bf16_logits_match_reference():
 
 
 def test_bench_script_smoke(tmp_path):
-    import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_sampler.py"
-    spec = importlib.util.spec_from_file_location("bench_sampler", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_sampler")
     report = bench.main(["--smoke", "--out", str(tmp_path / "s.json")])
     # One fp32 case and one with top-k/top-p; bf16 cases too on a GPU.
     assert (tmp_path / "s.json").exists()

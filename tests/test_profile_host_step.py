@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -14,10 +15,7 @@ def test_profile_host_step_reports_phases_and_restores_the_stubs(capsys):
     import mrv2.sample.sampler as sampler_mod
 
     before = (InterpretedFunction.run, sampler_mod.gumbel_sample)
-    spec = importlib.util.spec_from_file_location(
-        "profile_host_step", ROOT / "scripts" / "profile_host_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("profile_host_step")
     res = mod.main(["--batch", "4", "--requests", "6", "--input-len", "5", "--output-len", "3",
                     "--repeats", "1"])
     (run,) = res["runs"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from mrv2.platform import TRITON_INTERPRET
 
@@ -15,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "profile_sampler_kernels", ROOT / "scripts" / "profile_sampler_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("profile_sampler_kernels")
 
 
 @pytest.mark.skipif(not TRITON_INTERPRET, reason="the smoke run uses CPU tensors")

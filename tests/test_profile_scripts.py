@@ -3,18 +3,16 @@ their figures mean something only on a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
+
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def test_profile_spec_step_reports_phases_ops_and_python(tmp_path, monkeypatch):

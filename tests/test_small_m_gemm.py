@@ -7,7 +7,6 @@ the benchmark's CPU smoke run. bf16 at the Qwen3-0.6B shapes (and inside a CUDA 
 the GPU.
 """
 
-import importlib.util
 import itertools
 import math
 import pathlib
@@ -15,6 +14,7 @@ import pathlib
 import pytest
 import torch
 import torch.nn.functional as F
+from script_loader import load_script
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels.small_m_gemm import (
@@ -106,10 +106,7 @@ def test_default_launch_streams_weights_once_and_fits(M):
 
 @pytest.mark.skipif(not TRITON_INTERPRET, reason="the smoke run uses CPU tensors: the interpreter only")
 def test_bench_script_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_small_m_gemm",
-                                                  ROOT / "scripts" / "bench_small_m_gemm.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_small_m_gemm")
     report = bench.main(["--smoke", "--sweep", "--out", str(tmp_path / "s.json")])
     assert report["smoke"] and (tmp_path / "s.json").exists()
     assert {(r["shape"], r["M"]) for r in report["sweep"]} == {

@@ -10,13 +10,13 @@ import torch
 
 from mrv2.request import Request, RequestStatus
 from mrv2.sampling_params import SamplingParams
+from mrv2.spec_decode.config import SpeculativeConfig
 from mrv2.spec_decode.draft_slots import (
     spec_post_update,
     spec_post_update_ref,
     write_draft_slots,
     write_draft_slots_ref,
 )
-from mrv2.spec_decode.config import SpeculativeConfig
 from mrv2.spec_decode.metrics import SpecDecodeStats
 from mrv2.spec_decode.scheduling import (
     add_spec_placeholders,

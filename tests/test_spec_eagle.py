@@ -9,7 +9,6 @@ computes; the loader's name map and the config checks fail with clear errors.
 """
 
 import argparse
-import importlib.util
 import json
 import pathlib
 
@@ -17,6 +16,7 @@ import pytest
 import test_spec_decode_e2e as e2e
 import torch
 from engine_checks import assert_nothing_held
+from script_loader import load_script
 
 # _tight: 4 rows, 16 tokens a step, 16 blocks of 4: queueing, chunked prefill, preemption.
 from test_spec_decode_probabilistic import _assert_pairs_follow, _ids, _tight, _two_token_joint
@@ -104,11 +104,7 @@ def test_probabilistic_first_two_tokens_follow_the_targets_distribution(plain):
 # -- the head: its numerics, its checkpoint layout ---------------------------------------
 
 def _twin_module():
-    spec = importlib.util.spec_from_file_location("train_eagle_head",
-                                                  ROOT / "scripts" / "train_eagle_head.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_eagle_head")
 
 
 def test_head_equals_its_training_twin_over_a_paged_cache():

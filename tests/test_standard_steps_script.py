@@ -1,19 +1,15 @@
 """scripts/standard_steps.py: its step accounting on hand-made steps, and a CPU smoke run."""
 
-import importlib.util
 import pathlib
 
 import pytest
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("standard_steps",
-                                                  ROOT / "scripts" / "standard_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("standard_steps")
 
 
 def test_summarize_splits_prefill_and_decode_and_buckets_by_batch():

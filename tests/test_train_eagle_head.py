@@ -3,12 +3,12 @@ the batches, --init fine-tuning, --unroll 3, and the checkpoint mrv2 then loads.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 import torch
+from script_loader import load_script
 
 import mrv2  # noqa: F401  (before transformers: Triton's interpreter mode)
 from mrv2.spec_decode.eagle_head import load_eagle_head
@@ -18,11 +18,7 @@ EAGLE = ROOT / "mrv2/assets/tiny-qwen3-shakespeare-eagle"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_eagle_head",
-                                                  ROOT / "scripts" / "train_eagle_head.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_eagle_head")
 
 
 def test_smoke_fine_tunes_on_the_targets_continuations(tmp_path, shared_data):

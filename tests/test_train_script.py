@@ -1,22 +1,18 @@
 """scripts/train_tiny_qwen3.py --smoke: trains in seconds and writes a loadable HF folder."""
 
-import importlib.util
 import json
 import pathlib
 import random
 
 import torch
+from script_loader import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def load_script():
-    path = ROOT / "scripts" / "train_tiny_qwen3.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_qwen3", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def load_train_script():
+    return load_script("train_tiny_qwen3")
 
 
 def data_file(tmp_path) -> pathlib.Path:
@@ -41,7 +37,7 @@ def test_train_script_smoke(tmp_path):
     out = tmp_path / "model"
     data = data_file(tmp_path)
     argv = ["--smoke", "--device", "cpu", "--out", str(out), "--data", str(data)]
-    stats = load_script().main(argv)
+    stats = load_train_script().main(argv)
 
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -85,7 +81,7 @@ def test_train_script_distill_smoke(tmp_path, monkeypatch):
     argv = ["--smoke", "--device", "cpu", "--out", str(out), "--data", str(data_file(tmp_path)),
             "--preset", "draft", "--teacher", str(TARGET), "--teacher-generated", "0.5",
             "--lr", "3e-3"]  # --smoke: 8 steps, an evaluation every 4
-    stats = load_script().main(argv)
+    stats = load_train_script().main(argv)
 
     log = json.loads((out / "training_log.json").read_text())
     evals = [e for e in log["log"] if "val_agreement" in e]
@@ -123,7 +119,7 @@ def test_train_script_distill_smoke(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(sys.modules["distill_draft"], "measure_acceptance",
                         lambda draft, target: calls.append((draft, target)) or acc)
-    assert load_script().main(["--card-only", "--out", str(out)]) == stats
+    assert load_train_script().main(["--card-only", "--out", str(out)]) == stats
     assert calls == [(out, TARGET)]
     card = (out / "README.md").read_text()
     assert "## Distillation" in card and "## Acceptance, measured by mrv2" in card
@@ -135,7 +131,7 @@ def test_train_script_teacher_errors(tmp_path):
     """A teacher with another vocabulary, or no model at all: a clear ValueError, no training."""
     import pytest
 
-    mod = load_script()
+    mod = load_train_script()
     data = data_file(tmp_path)
     other = tmp_path / "other-tok"  # a tokenizer of another vocabulary
     mod.train_tokenizer(data.read_text(encoding="utf-8")[:20_000], 300).save_pretrained(other)
@@ -159,7 +155,7 @@ def test_train_script_init_fine_tunes_from_a_checkpoint(tmp_path):
     import pytest
     from transformers import Qwen3ForCausalLM
 
-    mod = load_script()
+    mod = load_train_script()
     data = data_file(tmp_path)
     first = tmp_path / "first"
     base = ["--smoke", "--device", "cpu", "--data", str(data)]
