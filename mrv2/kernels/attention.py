@@ -10,7 +10,8 @@ and weighted values in fp32), so a token attends to its whole context in one pas
 Grouped-query attention is free: the query heads sharing a KV head become extra rows of
 the same ``tl.dot``, so each K/V page is read once per group. Small decode batches split
 each sequence over several programs (flash-decoding) and merge the parts in a second
-kernel. See notebooks/01_qwen3_and_paged_kv.ipynb.
+kernel; large decode batches with long contexts start their longest requests first
+(``longest_first``). See notebooks/01_qwen3_and_paged_kv.ipynb.
 """
 
 from __future__ import annotations
