@@ -310,9 +310,9 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     return cfg
 
 
-#: ``longest_first`` orders decode batches of at least this many requests (below it the model
-#: takes ``decode_attention``'s fused kernel, which ignores the order; and a small grid runs
-#: in one wave, where the order of its programs does not matter) ...
+#: ``longest_first`` orders decode batches of at least this many requests (up to 32 the model
+#: takes ``decode_attention``'s fused kernel, which has no order; 33-63 were not measured with
+#: one: a grid of 264-504 programs runs in about one wave of 4 programs an SM) ...
 ORDER_MIN_REQS = 64
 #: ... whose contexts may reach this many keys (``max_seq_len``: in a CUDA graph the model's
 #: length). Short programs finish close together, so the order has little to win there and
