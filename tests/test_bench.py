@@ -399,3 +399,16 @@ def test_profile_decode_records_its_warmup_and_refuses_a_too_long_run():
     assert point["roofline"]["context"] == 8 + 4 + 1.5   # the measured steps' mean context
     with pytest.raises(ValueError, match="above max_model_len=16"):
         profile_decode(kw, batch_sizes=(4,), contexts=(8,), steps=5, warmup=1, repeats=1)
+
+
+def test_bench_decode_takes_a_max_model_len_and_refuses_one_too_short(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--tiny", "--max-model-len", "64", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["profile"]["settings"]["max_model_len"] == 64
+    # the tiny points need 8 prompt + 1 + 1 warm-up + 2 measured = 12 tokens a request
+    assert main(["bench", "decode", "--tiny", "--max-model-len", "11",
+                 "--out", str(tmp_path / "e.json")]) == 2
+    assert "above max_model_len=11" in capsys.readouterr().out
+    assert main(["bench", "decode", "--tiny", "--max-model-len", "0",
+                 "--out", str(tmp_path / "f.json")]) == 2
+    assert "max_model_len must be >= 1" in capsys.readouterr().out

@@ -121,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_int_list, default=None,
                    help="decode: prompt lengths (default 128,1024)")
     p.add_argument("--decode-steps", type=int, default=32, help="decode: steps measured")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="decode/timeline: the LLM's max_model_len (default 2048, tiny 512). "
+                        "NOTE: CUDA graphs take attention's launch (splits, tiles) for this "
+                        "length, not the step's contexts: 256 gives the latency bench's")
     p.add_argument("--compare-eager", action="store_true",
                    help="decode: also the step time with and without CUDA graphs")
     p.add_argument("--latency-iters", type=int, default=None, help="timed runs per figure")
@@ -206,9 +210,13 @@ def run(args: argparse.Namespace) -> int:
 
         sizes = args.batch_sizes or ((1, 8, 32, 64, 128, 256) if args.kind == "decode"
                                      else (1, 64, 256))
-        run_steps(args.kind, args.model, sizes, args.out, plot=args.plot, tiny=args.tiny,
-                  contexts=args.contexts or (128, 1024), decode_steps=args.decode_steps,
-                  compare_eager=args.compare_eager)
+        try:
+            run_steps(args.kind, args.model, sizes, args.out, plot=args.plot, tiny=args.tiny,
+                      contexts=args.contexts or (128, 1024), decode_steps=args.decode_steps,
+                      compare_eager=args.compare_eager, max_model_len=args.max_model_len)
+        except ValueError as e:  # a point that does not fit, a bad length: say which
+            print(f"[bench] error: {e}")
+            return 2
         if not platform.HAS_CUDA:
             print(CPU_NOTE)
         return 0

@@ -168,6 +168,7 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
     del llm  # NOTE: the last reference: only then can its memory go back
     free_device_memory()
     return {"settings": {"steps": steps, "warmup": warmup, "temperature": temperature,
+                         "max_model_len": max_len, "max_num_batched_tokens": budget,
                          "repeats": repeats, "cuda_graphs": not llm_kwargs.get("enforce_eager"),
                          "meaningful": platform.HAS_CUDA},
             "bandwidth_gbs": bw["bandwidth_gbs"], "model_info": info, "points": points}

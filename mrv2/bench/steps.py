@@ -155,7 +155,7 @@ def _default_llm_kwargs(model: str | None, max_model_len: int) -> dict:
 
 def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str | None = None,
         plot: bool = True, tiny: bool = False, contexts=(128, 1024), decode_steps: int = 32,
-        compare_eager: bool = False) -> dict:
+        compare_eager: bool = False, max_model_len: int | None = None) -> dict:
     """``python -m mrv2 bench decode|timeline``: measure, print, write JSON (+ PNG).
 
     Args:
@@ -168,13 +168,17 @@ def run(kind: str, model: str | None = None, batch_sizes=(1, 64, 256), out: str 
         out: JSON path (default ``benchmarks/results/<kind>_steps.json``).
         plot: also save a PNG next to the JSON.
         tiny: a seconds-long CPU version (embedded model, tiny sizes) for CI.
+        max_model_len: the LLM's (default 2048, tiny 512); CUDA graphs take attention's
+            launch for this length.
     """
     import json
     import pathlib
 
     from mrv2.bench.report import environment, write_json
 
-    kw = _default_llm_kwargs(model, 512 if tiny else 2048)
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    kw = _default_llm_kwargs(model, max_model_len or (512 if tiny else 2048))
     if not torch.cuda.is_available():
         kw["dtype"] = "float32"
     if kind == "decode":
