@@ -34,7 +34,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mrv2.kernels.top_k_top_p_chunked import _bound, _load_bracket, _load_s, _row_knobs
+from mrv2.kernels.top_k_top_p_chunked import (
+    _bound,
+    _load_bracket,
+    _load_s,
+    _row_knobs,
+    _store_ends,
+)
 from mrv2.kernels.top_k_top_p_row import _key
 
 _INT32_MAX: tl.constexpr = tl.constexpr(2**31 - 1)
@@ -120,11 +126,8 @@ def _finish_kernel(
                 e = tl.where(valid, tl.exp(s - tl.load(row_f_ptr + b * 2)), 0.0)  # [NC, SP]
                 lo_p = _bound(keys, e, top_p * tl.load(row_f_ptr + b * 2 + 1), lo_p, hi_p)
                 hi_p = lo_p + 1
-            row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS)
-            tl.store(row, lo_k)
-            tl.store(row + 1, hi_k)
-            tl.store(row + 2, lo_p)
-            tl.store(row + 3, hi_p)
+            # converged: the pivot rounds skip the row, so its pivots are not written
+            _store_ends(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, NUM_PIVOTS)
 
 
 def cand_width(slots: int) -> int:

@@ -155,14 +155,21 @@ def _share_lo(lo_k, hi_k, lo_p, hi_p, both):
 
 
 @triton.jit
-def _store_bracket(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, piv_k, piv_p,
-                   NUM_PIVOTS: tl.constexpr):
-    # A row of the bracket table: lo_k, hi_k, lo_p, hi_p, the next round's P + P pivots.
+def _store_ends(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, NUM_PIVOTS: tl.constexpr):
+    # The first four fields of a bracket row: lo_k, hi_k, lo_p, hi_p.
     row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS)
     tl.store(row, lo_k)
     tl.store(row + 1, hi_k)
     tl.store(row + 2, lo_p)
     tl.store(row + 3, hi_p)
+
+
+@triton.jit
+def _store_bracket(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, piv_k, piv_p,
+                   NUM_PIVOTS: tl.constexpr):
+    # A row of the bracket table: lo_k, hi_k, lo_p, hi_p, the next round's P + P pivots.
+    _store_ends(bracket_ptr, b, lo_k, hi_k, lo_p, hi_p, NUM_PIVOTS)
+    row = bracket_ptr + b * (4 + 2 * NUM_PIVOTS)
     pj = tl.arange(0, NUM_PIVOTS)
     tl.store(row + 4 + pj, piv_k.to(tl.int64))
     tl.store(row + 4 + NUM_PIVOTS + pj, piv_p.to(tl.int64))
