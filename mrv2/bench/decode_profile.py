@@ -133,17 +133,18 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
     vocab = llm.hf_config.vocab_size
     budget, max_len = (llm.scheduler_config.max_num_batched_tokens,
                        llm.scheduler_config.max_model_len)
-    for ctx in contexts:  # every point fits, checked before any of them runs
-        for b in batch_sizes:
-            need = ctx + 1 + decode_warmup(b, ctx, budget, warmup) + steps
-            if need > max_len:
-                raise ValueError(f"bench decode: batch {b} x context {ctx} needs {need} tokens "
-                                 f"a request (warm-up steps past a chunked prefill, {steps} "
-                                 f"measured), above max_model_len={max_len}")
+    wus = {(ctx, b): decode_warmup(b, ctx, budget, warmup) for ctx in contexts
+           for b in batch_sizes}
+    for (ctx, b), wu in wus.items():  # every point fits, checked before any of them runs
+        need = ctx + 1 + wu + steps
+        if need > max_len:
+            raise ValueError(f"bench decode: batch {b} x context {ctx} needs {need} tokens "
+                             f"a request (warm-up steps past a chunked prefill, {steps} "
+                             f"measured), above max_model_len={max_len}")
     points = []
     for ctx in contexts:
         for b in batch_sizes:
-            wu = decode_warmup(b, ctx, budget, warmup)
+            wu = wus[(ctx, b)]
             prompts = _prompts(b, ctx, vocab, seed=b * 7919 + ctx)
             sp = [SamplingParams(temperature=temperature, max_tokens=1 + wu + n,
                                  ignore_eos=True, seed=0) for n in (0, steps)]
