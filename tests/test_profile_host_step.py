@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pathlib
-
 from script_loader import load_script
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_profile_host_step_reports_phases_and_restores_the_stubs(capsys):

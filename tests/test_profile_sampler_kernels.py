@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 from script_loader import load_script
 
 from mrv2.platform import TRITON_INTERPRET
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():

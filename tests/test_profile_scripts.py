@@ -4,19 +4,12 @@ their figures mean something only on a GPU)."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 from script_loader import load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    return load_script(name)
-
 
 def test_profile_spec_step_reports_phases_ops_and_python(tmp_path, monkeypatch):
-    mod = _load("profile_spec_step")
+    mod = load_script("profile_spec_step")
     out = tmp_path / "p.json"
     monkeypatch.setattr("sys.argv", ["profile_spec_step.py", "--methods", "none,ngram",
                                      "--output-len", "8", "--top", "40", "--cprofile", "5",

@@ -9,7 +9,6 @@ the GPU.
 
 import itertools
 import math
-import pathlib
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from mrv2.kernels.small_m_gemm import (
 )
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 QWEN3_0_6B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
 
 

@@ -29,7 +29,6 @@ from mrv2.models.qwen3 import bind_kv_cache, kv_cache_shape
 from mrv2.spec_decode.config import check_eagle_compatible
 from mrv2.spec_decode.eagle_head import load_eagle_head
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 EAGLE = str(DEFAULT_MODEL_DIR) + "-eagle"
 DRAFT = str(DEFAULT_MODEL_DIR) + "-draft"
 #: The embedded model's own greedy loop after "JULIET:" (see test_spec_decode_e2e.py).

@@ -1,11 +1,8 @@
 """scripts/standard_steps.py: its step accounting on hand-made steps, and a CPU smoke run."""
 
-import pathlib
 
 import pytest
 from script_loader import load_script
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script():
