@@ -324,7 +324,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
                           k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
                           md: AttentionMetadata, scale: float, num_heads: int,
                           num_kv_heads: int, out: torch.Tensor | None = None, *,
-                          config: dict | None = None) -> torch.Tensor:
+                          config: dict | None = None, max_deferred_splits: int = 0
+                          ) -> torch.Tensor | attention.SplitParts:
     """q/k-norm + RoPE + KV write + attention of a decode step, in one kernel (Triton).
 
     Args:
@@ -340,9 +341,12 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         num_heads, num_kv_heads: H and H_kv.
         out: optional ``[T, H, D]`` output; config: launch overrides (``num_splits``,
             ``block_n``, ``num_warps``, ``num_stages``).
+        max_deferred_splits: a launch of 2 to this many splits skips the merge kernel and
+            returns its ``SplitParts`` (the caller merges: o_proj's prologue); 0 never.
 
     Returns:
-        ``out`` (new when not given): rows of padding tokens are left as they were.
+        ``out`` (new when not given): rows of padding tokens are left as they were; or
+        the unmerged ``SplitParts`` (above; ``out`` is then not written).
     """
     T, width = qkv.shape
     d = kv_cache.shape[-1]
@@ -391,5 +395,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
+        if splits <= max_deferred_splits:
+            return attention.SplitParts(part_acc, part_ml)
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
     return out
