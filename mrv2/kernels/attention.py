@@ -17,7 +17,6 @@ kernel; large decode batches with long contexts start their longest requests fir
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 import triton
@@ -362,29 +361,6 @@ def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.T
     T, H, D = out.shape
     return (out.new_empty(T, H, splits, D, dtype=torch.float32),
             out.new_empty(T, H, splits, 2, dtype=torch.float32))
-
-
-class SplitParts(NamedTuple):
-    """An attention output still in its splits, for a consumer that merges them itself
-    (``skinny_fused.skinny_merge_linear_add``: o_proj's prologue): what ``split_buffers``
-    holds after the attention kernel, before ``merge_splits``."""
-
-    part_acc: torch.Tensor  #: [T, H, S, D] fp32 each split's unnormalised P @ V
-    part_ml: torch.Tensor   #: [T, H, S, 2] fp32 each split's (max, sum) of exp2 scores
-
-
-def merge_splits_ref(parts: SplitParts, dtype: torch.dtype) -> torch.Tensor:
-    """Reference of the split merge: ``[T, H * D]`` in ``dtype`` from ``parts``.
-
-    Each split s holds ``acc_s = sum_j 2^(x_j - m_s) v_j`` and ``l_s = sum_j 2^(x_j - m_s)``
-    over its keys; with ``m = max_s m_s`` and ``w_s = 2^(m_s - m)`` the softmax output is
-    ``sum_s w_s acc_s / sum_s w_s l_s``.
-    """
-    acc, ml = parts                                                   # [T, H, S, D], [T, H, S, 2]
-    w = torch.exp2(ml[..., 0] - ml[..., 0].amax(-1, keepdim=True))    # [T, H, S]
-    l_tot = (ml[..., 1] * w).sum(-1)                                  # [T, H]
-    out = (acc * w[..., None]).sum(2) / torch.where(l_tot > 0, l_tot, 1.0)[..., None]
-    return out.to(dtype).flatten(1)                                   # [T, H * D]
 
 
 def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, md: AttentionMetadata,

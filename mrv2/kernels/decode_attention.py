@@ -56,7 +56,10 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 #: was that 100 s limit, plus a test that looked its counters up under the wrong device
 #: key), but it is slower: TPOT at batch 4 1.030 -> 1.217 ms, batch 1 unchanged (1.679 ->
 #: 1.642 with the persistent tail on), ``bench latency`` in one job. The merge's atomics and
-#: the last split's extra pass cost more than the launch they save.
+#: the last split's extra pass cost more than the launch they save. NOTE: merging in the
+#: consumer lost too (commit 7845af1, reverted: each o_proj program merged the splits of
+#: the x it reads, 32 KB of fp32 parts a program at 4 splits): TPOT b1 0.90 -> 1.00 ms,
+#: b2 1.02 -> 1.18 (job 14B, ``bench_latency_merge-in-o-proj-*_job14B.json``).
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
@@ -324,8 +327,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
                           k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
                           md: AttentionMetadata, scale: float, num_heads: int,
                           num_kv_heads: int, out: torch.Tensor | None = None, *,
-                          config: dict | None = None, max_deferred_splits: int = 0
-                          ) -> torch.Tensor | attention.SplitParts:
+                          config: dict | None = None) -> torch.Tensor:
     """q/k-norm + RoPE + KV write + attention of a decode step, in one kernel (Triton).
 
     Args:
@@ -341,12 +343,9 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         num_heads, num_kv_heads: H and H_kv.
         out: optional ``[T, H, D]`` output; config: launch overrides (``num_splits``,
             ``block_n``, ``num_warps``, ``num_stages``).
-        max_deferred_splits: a launch of 2 to this many splits skips the merge kernel and
-            returns its ``SplitParts`` (the caller merges: o_proj's prologue); 0 never.
 
     Returns:
-        ``out`` (new when not given): rows of padding tokens are left as they were; or
-        the unmerged ``SplitParts`` (above; ``out`` is then not written).
+        ``out`` (new when not given): rows of padding tokens are left as they were.
     """
     T, width = qkv.shape
     d = kv_cache.shape[-1]
@@ -395,7 +394,5 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
-        if splits <= max_deferred_splits:
-            return attention.SplitParts(part_acc, part_ml)
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
     return out

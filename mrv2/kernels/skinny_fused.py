@@ -55,19 +55,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.kernels import pdl, skinny_gemm
 from mrv2.kernels.activation import silu_and_mul_ref
-from mrv2.kernels.attention import SplitParts, merge_splits_ref
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
-from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
+from mrv2.platform import TRITON_INTERPRET, interpreter_body
 
 #: The model's decode-sized layers run these kernels: on where the skinny GEMM is on
 #: (GPU) unless ``MRV2_FUSED_DECODE=0``. Tests set it True to run them in the interpreter.
 ENABLED: bool = skinny_gemm.ENABLED and os.environ.get("MRV2_FUSED_DECODE", "1") != "0"
-#: The model's fused decode defers a split attention launch's merge to o_proj's prologue
-#: (``skinny_merge_linear_add``) for at most this many splits (every o_proj program reads
-#: all of them); 0 (``MRV2_MERGE_IN_O_PROJ=0``) never.
-MERGE_MAX_SPLITS: int = 8 if env_switch("MRV2_MERGE_IN_O_PROJ", True) else 0
 
 
 def use_fused_decode(x: torch.Tensor) -> bool:
@@ -88,12 +83,6 @@ def skinny_linear_add_ref(x, weight, residual, bias=None):
     """Reference of :func:`skinny_linear_add`: ``residual += F.linear(x, weight, bias)``,
     in place (the product is rounded to the dtype before the add, as torch does)."""
     return residual.add_(F.linear(x, weight, bias))
-
-
-def skinny_merge_linear_add_ref(parts, weight, residual, bias=None):
-    """Reference of :func:`skinny_merge_linear_add`: the split merge, then
-    :func:`skinny_linear_add_ref`."""
-    return skinny_linear_add_ref(merge_splits_ref(parts, residual.dtype), weight, residual, bias)
 
 
 def skinny_norm_gate_up_silu_ref(x, norm_weight, eps, gate_up_weight, bias=None):
@@ -128,40 +117,9 @@ def store_output(y, out_ptr, residual_ptr, m, n, mask, stride_rm, stride_om,
              mask=mask)
 
 
-@triton.jit
-def load_x(x_ptr, ml_ptr, m, k, mask, stride_xm, stride_xh, stride_xs, stride_mt, stride_mh,
-           stride_ms, DT: tl.constexpr, MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-           NUM_SPLITS: tl.constexpr):
-    # The fp32 [BM, BK] tile of x at rows m, columns k. MERGE: x is attention's output still
-    # in its splits (x_ptr = part_acc [T, H, S, D], ml_ptr = part_ml [T, H, S, 2]); merge
-    # them here as _merge_splits_kernel does, rounded to DT as it stores them.
-    if MERGE:
-        h = k // HEAD_DIM                                                  # [BK] head
-        a_offs = m[:, None] * stride_xm + h[None, :] * stride_xh \
-            + (k - h * HEAD_DIM)[None, :]                                  # [BM, BK] split 0
-        ml_offs = m[:, None] * stride_mt + h[None, :] * stride_mh          # [BM, BK]
-        mx = tl.load(ml_ptr + ml_offs, mask=mask, other=-1.0e30)           # max over splits
-        for s in tl.static_range(1, NUM_SPLITS):
-            mx = tl.maximum(mx, tl.load(ml_ptr + ml_offs + s * stride_ms, mask=mask,
-                                        other=-1.0e30))
-        num = tl.zeros_like(mx)
-        l_tot = tl.zeros_like(mx)
-        for s in tl.static_range(NUM_SPLITS):
-            w = tl.exp2(tl.load(ml_ptr + ml_offs + s * stride_ms, mask=mask, other=-1.0e30)
-                        - mx)
-            l_tot += tl.load(ml_ptr + ml_offs + s * stride_ms + 1, mask=mask, other=0.0) * w
-            num += tl.load(x_ptr + a_offs + s * stride_xs, mask=mask, other=0.0) * w
-        x = (num / tl.where(l_tot > 0, l_tot, 1.0)).to(DT).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-    return x
-
-
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
 _round_product_body = interpreter_body(round_product)
 _store_body = interpreter_body(store_output)
-_load_x_body = interpreter_body(load_x)
 
 
 @triton.jit
@@ -173,9 +131,6 @@ def _skinny_fused_kernel(
     NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
-    # MERGE (o_proj after a split attention launch): x = part_acc, merged on load (load_x)
-    ml_ptr=None, stride_xh=0, stride_xs=0, stride_mt=0, stride_mh=0, stride_ms=0,
-    MERGE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 1, NUM_SPLITS: tl.constexpr = 1,
 ):
     # One program: BLOCK_N output columns for all M (<= BLOCK_M) rows.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
@@ -231,9 +186,8 @@ def _skinny_fused_kernel(
         x_mask0 = m_mask[:, None]                                            # [BM, 1]
         if not EVEN_K:
             x_mask0 = x_mask0 & (kk < K)[None, :]
-        x = _load_x_body(x_ptr, ml_ptr, m, kk, x_mask0, stride_xm, stride_xh, stride_xs,
-                         stride_mt, stride_mh, stride_ms, dt, MERGE, HEAD_DIM,
-                         NUM_SPLITS)                                         # [BM, BK]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :],
+                    mask=x_mask0, other=0.0).to(tl.float32)                  # [BM, BK]
         if NORM:
             x = ((x * rstd[:, None]) * nw0.to(tl.float32)[None, :]).to(dt).to(tl.float32)
         acc += row_sum(w0.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)  # [BM, BN]
@@ -247,9 +201,8 @@ def _skinny_fused_kernel(
         if not EVEN_K:  # NOTE: a K that BLOCK_K divides needs no mask along K
             w_mask = w_mask & (k < K)[None, :]
             x_mask = x_mask & (k < K)[None, :]
-        x = _load_x_body(x_ptr, ml_ptr, m, k, x_mask, stride_xm, stride_xh, stride_xs,
-                         stride_mt, stride_mh, stride_ms, dt, MERGE, HEAD_DIM,
-                         NUM_SPLITS)                                         # [BM, BK]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                    mask=x_mask, other=0.0).to(tl.float32)                   # [BM, BK]
         if NORM:
             nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [BK]
             # NOTE: rounded to x's dtype, as the unfused rms_norm writes it for the GEMM.
@@ -285,8 +238,7 @@ def _skinny_fused_kernel(
 #: norm_qkv 9.3 / 10.4 us, o_add 8.7 / 30.7, gate_up 23.3 / 102.7, down_add 10.2 / 37.3;
 #: the best launches 9.1 / 9.6, 8.3 / 8.3, 10.3 / 11.3, 9.5 / 10.7. Two rows want 2 warps.
 _TUNED = {("norm", 1): (4, 4), ("add", 1): (4, 4), ("gate_up", 1): (4, 4),
-          ("norm", 2): (2, 2), ("add", 2): (2, 2), ("gate_up", 2): (8, 4),
-          ("merge_add", 1): (4, 4), ("merge_add", 2): (2, 2)}  # merge_add: o_proj's
+          ("norm", 2): (2, 2), ("add", 2): (2, 2), ("gate_up", 2): (8, 4)}
 #: Under PDL (the default on Hopper) the same table: job Y's coordinate descent with the
 #: 28-layer PDL GEMM chain as the measure found launches that ran that chain 654 -> 580 us at
 #: M = 1, but the model with them (qkv -> RoPE -> attention -> merge -> o_proj between them)
@@ -330,19 +282,11 @@ def _check(name, x, weight, bias, n_rows, norm_weight=None, residual=None,
 
 
 def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_n,
-         block_k, num_warps, parts=None):
-    # parts: o_proj's input as attention's SplitParts (x is then unused; K = H * D).
-    M, K = x.shape if parts is None else (parts.part_acc.shape[0], weight.shape[1])
+         block_k, num_warps):
+    M, K = x.shape
     if M == 0 or N == 0:
         return out
     kind = "gate_up" if gate_up else "add" if residual is not None else "norm"
-    merge = {}
-    if parts is not None:
-        x, ml = parts
-        merge = dict(ml_ptr=ml, stride_xh=x.stride(1), stride_xs=x.stride(2),
-                     stride_mt=ml.stride(0), stride_mh=ml.stride(1), stride_ms=ml.stride(2),
-                     MERGE=True, HEAD_DIM=x.shape[3], NUM_SPLITS=x.shape[2])
-        kind = "merge_add"
     use_pdl = pdl.use_pdl(x.device)
     bn, bk, nw = _launch(M, N, K, kind)
     bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
@@ -357,7 +301,7 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **merge, **opts)
+        BLOCK_K=bk, EVEN_K=K % bk == 0, PDL=use_pdl, **opts)
     return out
 
 
@@ -402,50 +346,6 @@ def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     _check("skinny_linear_add", x, weight, bias, weight.shape[0], residual=residual)
     return _run(x, None, 0.0, weight, bias, residual, residual, weight.shape[0],
                 gate_up=False, block_n=block_n, block_k=block_k, num_warps=num_warps)
-
-
-def skinny_merge_linear_add(parts: SplitParts, weight: torch.Tensor, residual: torch.Tensor,
-                            bias: torch.Tensor | None = None, *, block_n: int | None = None,
-                            block_k: int | None = None, num_warps: int | None = None
-                            ) -> torch.Tensor:
-    """``residual += F.linear(merge(parts), weight, bias)``: o_proj with the attention split
-    merge in its prologue (no ``_merge_splits_kernel`` launch, one kernel boundary less).
-
-    Every program merges the splits of the columns of x it reads (all of them: o_proj's K
-    is every head), so the parts are read once a program from L2: worth it for few rows and
-    splits (``MERGE_MAX_SPLITS``).
-
-    Args:
-        parts: attention's output in splits (``decode_rope_attention(...,
-            max_deferred_splits=...)``): ``part_acc [M, H, S, D]``, ``part_ml [M, H, S, 2]``
-            fp32, M <= MAX_M, H * D = weight's K.
-        weight: ``[N, H * D]``, last dim contiguous; bias: optional ``[N]``.
-        residual: ``[M, N]`` in weight's dtype, last dim contiguous: overwritten with the sum.
-        block_n, block_k, num_warps: launch overrides.
-
-    Returns:
-        ``residual`` itself (the merged x and the product rounded to the dtype, as the
-        unfused merge kernel and ``skinny_linear_add`` round them).
-    """
-    acc, ml = parts
-    if acc.dim() != 4 or ml.shape != (*acc.shape[:3], 2) or acc.dtype != torch.float32 \
-            or ml.dtype != torch.float32 or acc.stride(3) != 1 or ml.stride(3) != 1:
-        raise ValueError(f"skinny_merge_linear_add: parts must be fp32 part_acc [M, H, S, D] "
-                         f"and part_ml [M, H, S, 2] with contiguous last dims, got "
-                         f"{tuple(acc.shape)} {acc.dtype}, {tuple(ml.shape)} {ml.dtype}")
-    M, H, _, D = acc.shape
-    if weight.dim() != 2 or weight.shape[1] != H * D or weight.stride(1) != 1 \
-            or M > MAX_M:
-        raise ValueError(f"skinny_merge_linear_add: weight must be [N, H * D = {H * D}] with "
-                         f"a contiguous last dim and M <= {MAX_M}, got "
-                         f"{tuple(weight.shape)}, M = {M}")
-    # residual and bias as skinny_linear_add checks them (x: a [M, K] stand-in of weight's
-    # dtype; the parts are fp32 scratch, never the residual's memory).
-    _check("skinny_merge_linear_add", weight.new_empty(M, H * D), weight, bias,
-           weight.shape[0], residual=residual)
-    return _run(acc, None, 0.0, weight, bias, residual, residual, weight.shape[0],
-                gate_up=False, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                parts=parts)
 
 
 def skinny_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -19,7 +19,7 @@ from torch import nn
 
 from mrv2.forward_context import get_attn_metadata
 from mrv2.kernels.activation import silu_and_mul, silu_and_mul_ref
-from mrv2.kernels.attention import SplitParts, paged_attention
+from mrv2.kernels.attention import paged_attention
 from mrv2.kernels.decode_attention import decode_rope_attention, use_fused_rope_attention
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import (
@@ -29,7 +29,6 @@ from mrv2.kernels.layernorm import (
     rms_norm_ref,
 )
 from mrv2.kernels.rotary import build_cos_sin_cache, qk_norm_rope, qk_norm_rope_ref
-from mrv2.kernels import skinny_fused
 from mrv2.kernels.skinny_gemm import Linear, linear
 from mrv2.kernels.small_m_fused import SKINNY_OPS, fused_decode_ops
 from mrv2.models.qwen3_persistent import forward_decode_persistent, use_persistent_decode
@@ -254,11 +253,9 @@ class Qwen3Attention(_PackedLinears):
         qkv = linear(hidden_states, *self._packed["qkv"])             # [T, (H + 2 H_kv) D]
         return self.o_proj(self.attend(positions, qkv))                # [T, hidden]
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
-               max_deferred_splits: int = 0) -> torch.Tensor | SplitParts:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything between the two projections: q/k-norm + RoPE + KV write, attention.
-        ``qkv [T, (H + 2 H_kv) D]`` -> ``[T, H * D]`` (o_proj's input), or for a fused decode
-        launch of 2 to ``max_deferred_splits`` splits its unmerged ``SplitParts``."""
+        ``qkv [T, (H + 2 H_kv) D]`` -> ``[T, H * D]`` (o_proj's input)."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound: call bind_kv_cache(model, kv_caches) first")
         md = get_attn_metadata()
@@ -267,10 +264,8 @@ class Qwen3Attention(_PackedLinears):
         if use_fused_rope_attention(qkv, md):  # decode: one kernel (MRV2_FUSED_ROPE_ATTENTION=0: two)
             w = (self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon) \
                 if self.use_qk_norm else (None, None, 0.0)
-            out = decode_rope_attention(qkv, positions, self._rotary[0].cos_sin_cache, *w,
-                                        self.kv_cache, md, self.scale, H, Hkv,
-                                        max_deferred_splits=max_deferred_splits)
-            return out if isinstance(out, SplitParts) else out.view(T, H * D)
+            return decode_rope_attention(qkv, positions, self._rotary[0].cos_sin_cache, *w,
+                                         self.kv_cache, md, self.scale, H, Hkv).view(T, H * D)
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)       # views, token stride
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         # q/k-norm (Qwen3) and RoPE of q and k: one fused kernel.
@@ -369,20 +364,13 @@ class Qwen3DecoderLayer(nn.Module):
         Returns:
             ``h`` (now ``x + attn(norm(x)) + mlp(norm(...))``).
         """
-        ops = ops or SKINNY_OPS
-        norm_linear, linear_add, norm_gate_up_silu = ops
+        norm_linear, linear_add, norm_gate_up_silu = ops or SKINNY_OPS
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = norm_linear(h, ln1.weight, ln1.variance_epsilon,
                           *attn._packed["qkv"])                        # [T, (H + 2 H_kv) D]
-        # 1-2 rows: a split attention launch leaves its merge to o_proj's prologue.
-        out = attn.attend(positions, qkv,
-                          skinny_fused.MERGE_MAX_SPLITS if ops is SKINNY_OPS else 0)
-        if isinstance(out, SplitParts):
-            h = skinny_fused.skinny_merge_linear_add(out, attn.o_proj.weight, h,
-                                                     attn.o_proj.bias)
-        else:                                                              # [T, H * D]
-            h = linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)   # h += o_proj
+        out = attn.attend(positions, qkv)                                  # [T, H * D]
+        h = linear_add(out, attn.o_proj.weight, h, attn.o_proj.bias)       # h += o_proj
         act = norm_gate_up_silu(h, ln2.weight, ln2.variance_epsilon,
                                 *mlp._packed["gate_up"])                   # [T, inter]
         return linear_add(act, mlp.down_proj.weight, h, mlp.down_proj.bias)
