@@ -43,6 +43,12 @@ first weight tile before the wait. Asking the next stage's weights into L2
 as it made the per-GEMM chain (685 vs 654 us; TPOT b1 0.918 -> 0.955 ms): at batch 1 the
 boundary, not DRAM, is the cost. Beating the per-kernel chain needs fewer sync points a
 layer or warp-specialised weight streaming that does not stop at them.
+NOTE (session 14, job 14D, ``bench_latency_persistent*_job14D.json``): loading each stage's
+first weight tile into registers BEFORE the barrier that opens it (PDL's trick, one
+``[4, 1024]`` tile a program, used for the stage's first K step) made it slower again: TPOT b1
+1.020 -> 1.067 ms, b2 1.093 -> 1.164 (per-GEMM kernels 0.891-0.934 / 1.022-1.028, one job).
+Not examined further; a likely cause is the held tiles' registers: the grid is sized from the
+registers, so fewer programs are resident and more of them walk a second column block.
 
 Under the interpreter (programs run one after another, a barrier would never open), off
 sm_90+ CUDA devices and with ``STAGED`` set (tests) the same kernel runs one stage per
