@@ -26,16 +26,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mrv2.bench import llm_runs
+from mrv2.bench.roofline import decode_roofline, model_info
 from mrv2.bench.workloads import make_workload
 from mrv2.timeline import Timeline
 
-KV_BYTES_PER_TOKEN = 114_688      # Qwen3-0.6B: 28 layers x 8 KV heads x 128 x 2 x 2 bytes
-WEIGHT_BYTES = 1_192_099_840      # Qwen3-0.6B bf16
-BANDWIDTH = 4.24e12               # H200 copy bandwidth, bytes/s (PLATFORM.md)
+BANDWIDTH_GBS = 4240.0            # H200 copy bandwidth (PLATFORM.md), not re-measured here
 
 
-def summarize(recs: list[dict], gpu: dict[int, tuple[float, float]]) -> tuple[dict, dict]:
-    """(totals, decode buckets) from per-step records and GPU spans ``step -> (start, end)``."""
+def summarize(recs: list[dict], gpu: dict[int, tuple[float, float]], info: dict,
+              bandwidth_gbs: float = BANDWIDTH_GBS) -> tuple[dict, dict]:
+    """(totals, decode buckets) from per-step records and GPU spans ``step -> (start, end)``;
+    ``info``: ``model_info``'s ``weight_bytes`` and ``kv_bytes_per_token`` (the roofline)."""
     tot = {"prefill_steps": 0, "prefill_gpu_ms": 0.0, "decode_steps": 0, "decode_gpu_ms": 0.0,
            "decode_roofline_ms": 0.0}
     buckets: dict[int, dict] = {}
@@ -48,7 +49,8 @@ def summarize(recs: list[dict], gpu: dict[int, tuple[float, float]]) -> tuple[di
             tot["prefill_steps"] += 1
             tot["prefill_gpu_ms"] += ms
             continue
-        roof = (WEIGHT_BYTES + r["ctx"] * KV_BYTES_PER_TOKEN) / BANDWIDTH * 1e3
+        roof = decode_roofline(info["weight_bytes"], info["kv_bytes_per_token"], r["reqs"],
+                               r["ctx"] / r["reqs"], bandwidth_gbs)["step_ms"]
         tot["decode_steps"] += 1
         tot["decode_gpu_ms"] += ms
         tot["decode_roofline_ms"] += roof
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     for s, _, a, b in tl.gpu_spans:
         g = gpu.setdefault(s, [a, b])
         g[0], g[1] = min(g[0], a), max(g[1], b)
-    totals, buckets = summarize(recs, gpu)
+    totals, buckets = summarize(recs, gpu, model_info(llm.model, llm.hf_config, llm.dtype))
     from mrv2.bench.report import environment
 
     res = {**environment(), "workload": args.workload, "attention_order":

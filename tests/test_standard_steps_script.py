@@ -17,10 +17,11 @@ def test_summarize_splits_prefill_and_decode_and_buckets_by_batch():
             {"step": 3, "tokens": 0, "reqs": 0, "ctx": 0},         # empty: skipped
             {"step": 4, "tokens": 300, "reqs": 300, "ctx": 300}]   # no GPU span: skipped
     gpu = {0: (0.0, 5.0), 1: (5.0, 6.5), 2: (6.5, 9.0), 3: (9.0, 9.1)}
-    tot, buckets = s.summarize(recs, gpu)
+    info = {"weight_bytes": 1_192_099_840, "kv_bytes_per_token": 114_688}  # Qwen3-0.6B bf16
+    tot, buckets = s.summarize(recs, gpu, info, bandwidth_gbs=4240.0)
     assert (tot["prefill_steps"], tot["prefill_gpu_ms"]) == (1, 5.0)
     assert (tot["decode_steps"], tot["decode_gpu_ms"]) == (2, 4.0)
-    roof = lambda ctx: (s.WEIGHT_BYTES + ctx * s.KV_BYTES_PER_TOKEN) / s.BANDWIDTH * 1e3
+    roof = lambda ctx: (1_192_099_840 + ctx * 114_688) / 4.24e12 * 1e3  # bytes / (bytes/s)
     assert tot["decode_roofline_ms"] == pytest.approx(roof(4000) + roof(7000))
     assert list(buckets) == [32, 64]
     assert buckets[64]["steps"] == 1 and buckets[64]["gpu_ms"] == pytest.approx(2.5)
