@@ -128,8 +128,7 @@ class ModelRunner(RunnerInterface):
         width = self.block_tables.input_block_table.shape[1]
         n = precompile(self.kv_caches[0], dims.num_heads, width, variants, progress=progress)
         from mrv2.kernels import attention, decode_attention
-        if (attention.ORDER_ENABLED and self.max_num_reqs >= attention.ORDER_MIN_REQS
-                and self.max_model_len >= attention.ORDER_MIN_SEQ_LEN):
+        if attention.may_order(self.max_num_reqs, self.max_model_len):
             # large decode batches read a request order (ModelState.forward, longest_first)
             n += precompile(self.kv_caches[0], dims.num_heads, width, launch_variants(
                 dims.num_heads, dims.num_kv_heads, dims.head_dim, self.max_num_reqs,

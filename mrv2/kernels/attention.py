@@ -322,6 +322,12 @@ ORDER_MIN_SEQ_LEN = 512
 ORDER_ENABLED: bool = not TRITON_INTERPRET and env_switch("MRV2_ATTENTION_ORDER", True)
 
 
+def may_order(num_reqs: int, max_seq_len: int) -> bool:
+    """Whether a decode launch of ``num_reqs`` requests up to ``max_seq_len`` keys takes a
+    request order (``longest_first``; the warm-up compiles those launches when it can)."""
+    return ORDER_ENABLED and num_reqs >= ORDER_MIN_REQS and max_seq_len >= ORDER_MIN_SEQ_LEN
+
+
 def longest_first(md: AttentionMetadata) -> AttentionMetadata:
     """``md`` with ``req_order``: the requests by descending ``seq_lens``, for a decode step of
     at least ``ORDER_MIN_REQS`` requests and ``ORDER_MIN_SEQ_LEN`` keys on a GPU (else ``md``
@@ -339,9 +345,8 @@ def longest_first(md: AttentionMetadata) -> AttentionMetadata:
     batch size, order on / off in one job, 13E): 1.5-2.7% less at 64-256 requests (e.g.
     6.31 / 6.43 ms a step at 224-255 requests), the same below 64.
     """
-    if (not ORDER_ENABLED or md.req_order is not None or md.max_query_len != 1
-            or md.num_reqs < ORDER_MIN_REQS or md.max_seq_len < ORDER_MIN_SEQ_LEN
-            or not md.seq_lens.is_cuda):
+    if (md.req_order is not None or md.max_query_len != 1
+            or not may_order(md.num_reqs, md.max_seq_len) or not md.seq_lens.is_cuda):
         return md
     return dataclasses.replace(md, req_order=request_order(md.seq_lens))
 
