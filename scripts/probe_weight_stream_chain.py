@@ -70,7 +70,7 @@ def chain(ws, outs, block, load, use_pdl, num_warps):
 
 def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device):
     """us per chain (median of ``replays`` graph replays) for one variant."""
-    numel = int(mb * 2**20) // 2 // block * block
+    numel = int(mb * 1e6) // 2 // block * block           # bf16 weights, MB = 1e6 bytes
     ws = [torch.randn(numel, device=device).to(torch.bfloat16) for _ in range(n_kernels)]
     n_out = numel // block if load else torch.cuda.get_device_properties(device) \
         .multi_processor_count
