@@ -12,6 +12,11 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
   (``mrv2.kernels.pdl``, forced on whatever ``MRV2_PDL`` says, while ``fused`` and the
   others are forced off; Hopper only, so on the CPU smoke run it is the ``fused`` path
   again), with ``equal_to_fused`` (bitwise);
+* ``stream`` / ``stream_pdl`` (``--stream``, 1-2 rows): the fused chain through
+  ``mrv2.kernels.skinny_stream`` (each program's whole weight slice loaded before the PDL
+  wait), without and with PDL, with ``max_abs_diff_vs_fused`` (``fused`` and ``fused_pdl``
+  force it off: they are skinny_fused's own kernel); ``--stream-sweep`` walks
+  each kernel kind's (BLOCK_N, num_warps) on that chain, the others at their default;
 * ``persistent`` (``--persistent``, 1-2 rows): the first qkv, then one
   ``mrv2.kernels.persistent_layer.layer_tail`` launch a layer (o_proj, gate_up, down and the
   next qkv as stages of one grid, PDL on), also with ``equal_to_fused``.
@@ -49,7 +54,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from mrv2.kernels import pdl, persistent_layer, skinny_fused, small_m_fused
+from mrv2.kernels import pdl, persistent_layer, skinny_fused, skinny_stream, small_m_fused
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -137,8 +142,63 @@ def _with_pdl(run, on: bool):
     return wrapped
 
 
+def _with_stream(run, on: bool):
+    """``run`` with ``skinny_stream.ENABLED`` forced on or off (read at each launch): the
+    ``fused`` runners measure skinny_fused's own kernel whatever the default."""
+    def wrapped(*args):
+        before, skinny_stream.ENABLED = skinny_stream.ENABLED, on
+        try:
+            return run(*args)
+        finally:
+            skinny_stream.ENABLED = before
+    return wrapped
+
+
+def _graph_us(run, args, smoke: bool) -> float:
+    """Median us of ``run(*args)`` captured in one CUDA graph (0 in smoke)."""
+    if smoke:
+        return 0.0
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(*args)
+    return _time_us(graph.replay, smoke)
+
+
+def stream_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
+    """The stream chain (PDL on) per kernel kind over (BLOCK_N, num_warps), the other kinds
+    at their default: ``{"M", "kind", "block_n", "num_warps", "us_per_step"}`` rows."""
+    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
+    ws = _weights(layers, div, dev, dt)
+    run = _with_pdl(_with_stream(_fused, True), True)
+    rows = []
+    for m in ms:
+        h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
+        attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
+        base = _graph_us(run, (h, attn, ws), smoke)
+        rows.append({"M": m, "kind": "default", "block_n": 0, "num_warps": 0,
+                     "us_per_step": base})
+        for kind in ("norm", "add", "gate_up"):
+            for bn, nw in itertools.product((2, 4, 8, 16, 32), (4, 8)):
+                if bn > min(skinny_stream.max_block_n(k, kind == "gate_up", nw)
+                            for k in ((HIDDEN,) if kind != "add" else (ATTN, INTER))):
+                    continue  # the launch would cap it (registers spill beyond)
+                skinny_stream.TUNED[f"{kind}/{m}"] = [bn, nw]
+                try:
+                    us = _graph_us(run, (h, attn, ws), smoke)
+                finally:
+                    del skinny_stream.TUNED[f"{kind}/{m}"]
+                rows.append({"M": m, "kind": kind, "block_n": bn, "num_warps": nw,
+                             "us_per_step": us})
+                print(f"stream sweep M={m} {kind:>7} block_n={bn:2d} warps={nw}: "
+                      f"{us:7.1f} us (default {base:7.1f})")
+                if smoke:
+                    break
+    return rows
+
+
 def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
-          with_persistent: bool = False) -> list[dict]:
+          with_persistent: bool = False, with_stream: bool = False) -> list[dict]:
     """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
@@ -152,9 +212,13 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
             runners = {"unfused": _unfused(F.linear),
                        "fused": _fused_with(small_m_fused.SMALL_M_OPS)}
         fused = runners["fused"]
-        runners = {label: _with_pdl(run, False) for label, run in runners.items()}
+        runners = {label: _with_stream(_with_pdl(run, False), False)
+                   for label, run in runners.items()}
         if with_pdl:
-            runners["fused_pdl"] = _with_pdl(fused, True)
+            runners["fused_pdl"] = _with_stream(_with_pdl(fused, True), False)
+        if with_stream and m <= skinny_stream.MAX_M:  # skinny_fused's ops, routed there
+            runners["stream"] = _with_pdl(_with_stream(_fused, True), False)
+            runners["stream_pdl"] = _with_pdl(_with_stream(_fused, True), True)
         if with_persistent and m <= persistent_layer.MAX_M:
             runners["persistent"] = _with_pdl(_persistent, True)
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
@@ -164,20 +228,16 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
             if smoke and label == "cublas":
                 continue
             results[label] = run(h, attn, ws).float()
-            if smoke:
-                us = 0.0
-            else:
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run(h, attn, ws)
-                us = _time_us(graph.replay, smoke)
+            us = _graph_us(run, (h, attn, ws), smoke)
             rows.append({"M": m, "runner": label, "us_per_step": us, "weight_mb": mb,
                          "max_abs_diff_vs_unfused":
                              (results[label] - results["unfused"]).abs().max().item()
                              if "unfused" in results else None})
             if label in ("fused_pdl", "persistent"):
                 rows[-1]["equal_to_fused"] = torch.equal(results[label], results["fused"])
+            if label.startswith("stream"):
+                rows[-1]["max_abs_diff_vs_fused"] = \
+                    (results[label] - results["fused"]).abs().max().item()
         line = "  ".join(f"{r['runner']} {r['us_per_step']:7.1f} us" for r in rows[-len(results):])
         print(f"chain M={m} ({layers} layers, {mb:.0f} MB): {line}")
     return rows
@@ -267,6 +327,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "small_m_fused's tensor-core layers against cuBLAS's)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
+    ap.add_argument("--stream", action="store_true", help="also the chain through "
+                    "mrv2.kernels.skinny_stream (1-2 rows), PDL off and on")
+    ap.add_argument("--stream-sweep", action="store_true",
+                    help="the stream chain per kernel kind over (block_n, num_warps)")
     ap.add_argument("--persistent", action="store_true", help="also the chain as one "
                     "persistent launch a layer (mrv2.kernels.persistent_layer, PDL on)")
     ap.add_argument("--persistent-sweep", action="store_true",
@@ -281,7 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
               "hardware": torch.cuda.get_device_name() if HAS_CUDA else "cpu",
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
-              "chain": chain(ms, args.smoke, args.layers, args.pdl, args.persistent),
+              "chain": chain(ms, args.smoke, args.layers, args.pdl, args.persistent,
+                             args.stream or args.smoke),
+              "stream_sweep": (stream_sweep([m for m in ms if m <= skinny_stream.MAX_M],
+                                            args.smoke, args.layers)
+                               if args.stream_sweep or args.smoke else []),
               "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)
                           if args.sweep or args.smoke else []),
               "persistent_sweep": (persistent_sweep(args.smoke, args.layers)

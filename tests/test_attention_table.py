@@ -93,6 +93,25 @@ def test_pick_config_uses_the_table_on_its_gpu(monkeypatch):
         heuristic_decode_config(4, 1024, 8, 132, 3, 8)["num_splits"]    # spec decode: heuristic
 
 
+def test_the_fused_decode_kernel_takes_more_splits_at_short_contexts(monkeypatch):
+    """decode_attention.pick_config: at max_seq_len < SHORT_CONTEXT, 5-15 requests take 4
+    splits of 64 keys and 17-32 take 2 (measured in the model), 16 and long contexts the
+    table's; one request its own launch; warps and stages stay the table's."""
+    from mrv2.kernels import decode_attention
+    monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(attention, "_num_sms", lambda: 132)
+    table = attention._pick_config
+    for n, splits in ((8, 4), (5, 4), (15, 4), (24, 2), (32, 2)):
+        cfg = decode_attention.pick_config(n, 8, 2, 1, 256)
+        assert (cfg["num_splits"], cfg["block_n"]) == (splits, 64), n
+        assert (cfg["num_warps"], cfg["num_stages"]) == \
+            (table(n, 8, 2, 1, 256)["num_warps"], table(n, 8, 2, 1, 256)["num_stages"])
+    assert decode_attention.pick_config(16, 8, 2, 1, 256) == table(16, 8, 2, 1, 256)
+    assert decode_attention.pick_config(8, 8, 2, 1, 1024) == table(8, 8, 2, 1, 1024)
+    assert decode_attention.pick_config(8, 8, 2, 1, 100)["num_splits"] == 2   # 2 key tiles
+    assert decode_attention.pick_config(1, 8, 2, 1, 256)["num_splits"] == 4   # ONE_REQUEST
+
+
 def test_every_launch_in_the_table_matches_the_reference():
     table = load_table()
     choices = sorted({(e["num_splits"], e["block_n"]) for e in table["entries"]})

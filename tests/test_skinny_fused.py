@@ -253,6 +253,9 @@ def test_llm_greedy_fused_decode_on_equals_off(monkeypatch):
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
                         lambda self, *a: calls.append(1) or orig(self, *a))
     monkeypatch.setattr(skinny_fused, "ENABLED", False)  # NOTE: on a GPU it is on by default
+    # NOTE: and so is small_m_fused, whose 3-16-token forwards (these prompts' prefills)
+    # take forward_decode too: off, so the spy counts the 1-2-row path only
+    monkeypatch.setattr(small_m_fused, "ENABLED", False)
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls
     monkeypatch.setattr(skinny_fused, "ENABLED", True)
@@ -292,9 +295,12 @@ def test_bench_smoke(tmp_path):
         sys.path.pop(0)
     bench_skinny_fused.main(["--smoke", "--layers", "2", "--out", str(tmp_path / "f.json")])
     saved = json.loads((tmp_path / "f.json").read_text())
-    assert {r["runner"] for r in saved["chain"]} == {"unfused", "fused"}
+    assert {r["runner"] for r in saved["chain"]} == {"unfused", "fused", "stream", "stream_pdl"}
     assert all(r["max_abs_diff_vs_unfused"] < 1e-3 for r in saved["chain"]
-               if r["runner"] == "fused")
+               if r["runner"] != "unfused")
+    assert all(r["max_abs_diff_vs_fused"] < 1e-3 for r in saved["chain"]
+               if r["runner"].startswith("stream"))
+    assert {r["kind"] for r in saved["stream_sweep"]} == {"default", "norm", "add", "gate_up"}
 
 
 # --------------------------------------------------------------- bf16 (GPU only)

@@ -77,16 +77,36 @@ MAX_TOKENS = 32
 ONE_REQUEST_LAUNCH = {"num_splits": 32, "block_n": 64}
 
 
+#: Short contexts (``max_seq_len`` below ``SHORT_CONTEXT``: the table's 128 and 256 rows),
+#: by request count ``(lo, hi)``: more, shorter splits than the table's (swept one kernel at
+#: a time: 1 split of 64-128 keys). In the model, with PDL, they won (H200, Qwen3-0.6B shape,
+#: ``bench latency`` at max_model_len 256 through ``scripts/bench_with.py --decode-launch``,
+#: table / this, two rounds in one job, 15A): batch 8 1.144 / 1.099 and 1.144 / 1.098 ms,
+#: batch 24 1.384 / 1.356 and 1.379 / 1.335, batch 32 1.422 / 1.407 and 1.421 / 1.404. Batch
+#: 16 gained nothing (2 or 4 splits: 1.195, 1.191 vs 1.190-1.205, job 15B), so 16 keeps the
+#: table's; 5-7 and 9-15 (and 17-23, 25-31) take their measured neighbour's rule unmeasured.
+SHORT_CONTEXT = 512
+SHORT_CONTEXT_LAUNCH: dict[tuple[int, int], dict] = {
+    (5, 15): {"num_splits": 4, "block_n": 64}, (17, 32): {"num_splits": 2, "block_n": 64}}
+
+
 def pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
                 max_seq_len: int, block_d: int = 128) -> dict:
-    """This kernel's launch: ``attention._pick_config``'s decode choice, except one request
-    on the GPU takes ``ONE_REQUEST_LAUNCH`` (splits capped at the key tiles of
-    ``max_seq_len``). Host ints only (graph-safe); the serve warm-up walks it too."""
+    """This kernel's launch: ``attention._pick_config``'s decode choice, except on the GPU
+    one request takes ``ONE_REQUEST_LAUNCH`` and short contexts ``SHORT_CONTEXT_LAUNCH``
+    (splits capped at the key tiles of ``max_seq_len``). Host ints only (graph-safe); the
+    serve warm-up walks it too."""
     cfg = attention._pick_config(num_reqs, num_kv_heads, group_pad, max_query_len,
                                  max_seq_len, block_d)
-    if num_reqs == 1 and not attention.TRITON_INTERPRET:
-        tiles = triton.cdiv(max(max_seq_len, 1), ONE_REQUEST_LAUNCH["block_n"])
-        cfg.update(ONE_REQUEST_LAUNCH, num_splits=min(ONE_REQUEST_LAUNCH["num_splits"], tiles))
+    if attention.TRITON_INTERPRET:
+        return cfg
+    launch = ONE_REQUEST_LAUNCH if num_reqs == 1 else None
+    if max_seq_len < SHORT_CONTEXT:
+        launch = next((v for (lo, hi), v in SHORT_CONTEXT_LAUNCH.items()
+                       if lo <= num_reqs <= hi), launch)
+    if launch is not None:
+        tiles = triton.cdiv(max(max_seq_len, 1), launch["block_n"])
+        cfg.update(launch, num_splits=min(launch["num_splits"], tiles))
     return cfg
 
 

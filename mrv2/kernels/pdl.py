@@ -38,6 +38,7 @@ then launches one of these kernels at once must leave PDL off.
 
 The kernels that take it, so that every pair of neighbours in a decode layer overlaps:
 ``skinny_fused`` (its first weight tile, norm weight and bias are loaded before the wait),
+``skinny_stream`` (ALL of a program's weights before the wait: the shape PDL rewards),
 ``rotary.qk_norm_rope``, ``attention.paged_attention`` and its split merge (all their inputs
 come from earlier kernels: they wait at the start and gain the launch overlap only). With
 ``PDL=False`` each compiles to the same PTX and SASS as before (Triton 3.6, sm_90, checked

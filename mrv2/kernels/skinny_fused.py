@@ -38,6 +38,11 @@ lets the next kernel launch, and only then reads x / residual. ``PDL=False`` com
 same code as before (Triton 3.6, sm_90: PTX and SASS equal but for line info); PDL=True
 costs registers (ptxas, M = 1: qkv 40 -> 62, gate_up 54 -> 66, o/down 40 -> 48).
 
+Since session 15 the three entry points hand 1-2 rows to ``skinny_stream`` (each program
+loads its whole weight slice before the PDL wait: TPOT at batch 1 0.89 -> 0.72-0.73 ms);
+this module's K-stepping kernel remains for 3-8 rows, for ``block_k`` overrides and with
+``MRV2_STREAM_GEMV=0``.
+
 Only for <= ``MODEL_MAX_M`` rows on the GPU, where the model's ``linear`` takes
 ``skinny_linear`` too (``MRV2_FUSED_DECODE=0`` turns it off; tests set ``ENABLED`` to
 run it under the interpreter). The torch references below are the specification.
@@ -53,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_gemm
+from mrv2.kernels import pdl, skinny_gemm, skinny_stream
 from mrv2.kernels.activation import silu_and_mul_ref
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
@@ -286,6 +291,9 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     M, K = x.shape
     if M == 0 or N == 0:
         return out
+    if skinny_stream.ENABLED and block_k is None and skinny_stream.fits(M, K, gate_up):
+        return skinny_stream.run(x, norm_weight, eps, weight, bias, residual, out, N,
+                                 gate_up=gate_up, block_n=block_n, num_warps=num_warps)
     kind = "gate_up" if gate_up else "add" if residual is not None else "norm"
     use_pdl = pdl.use_pdl(x.device)
     bn, bk, nw = _launch(M, N, K, kind)
