@@ -131,27 +131,28 @@ def _persistent(h, attn, ws):
     return h
 
 
-def _with_pdl(run, on: bool):
-    """``run`` with PDL forced on or off (``pdl.PDL_ENABLED`` is read at each launch)."""
+def _forcing(module, name: str, value, run):
+    """``run`` with ``module.name`` set to ``value`` for the call (the kernels read their
+    switches at each launch, so capture and eager runs see it)."""
     def wrapped(*args):
-        before, pdl.PDL_ENABLED = pdl.PDL_ENABLED, on
+        before = getattr(module, name)
+        setattr(module, name, value)
         try:
             return run(*args)
         finally:
-            pdl.PDL_ENABLED = before
+            setattr(module, name, before)
     return wrapped
+
+
+def _with_pdl(run, on: bool):
+    """``run`` with PDL forced on or off (``pdl.PDL_ENABLED``)."""
+    return _forcing(pdl, "PDL_ENABLED", on, run)
 
 
 def _with_stream(run, on: bool):
-    """``run`` with ``skinny_stream.ENABLED`` forced on or off (read at each launch): the
-    ``fused`` runners measure skinny_fused's own kernel whatever the default."""
-    def wrapped(*args):
-        before, skinny_stream.ENABLED = skinny_stream.ENABLED, on
-        try:
-            return run(*args)
-        finally:
-            skinny_stream.ENABLED = before
-    return wrapped
+    """``run`` with ``skinny_stream.ENABLED`` forced on or off: the ``fused`` runners
+    measure skinny_fused's own kernel whatever the default."""
+    return _forcing(skinny_stream, "ENABLED", on, run)
 
 
 def _graph_us(run, args, smoke: bool) -> float:

@@ -9,6 +9,7 @@ bf16 at the Qwen3-0.6B shapes on the GPU.
 
 import pytest
 import torch
+from test_skinny_fused import _inputs  # the same random operands
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM, SamplingParams
@@ -43,15 +44,6 @@ def spy(monkeypatch):
     monkeypatch.setattr(skinny_stream, "run",
                         lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
     return calls
-
-
-def _inputs(M, N, K, bias, seed, rows=1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g) * 3.0
-    nw = torch.randn(K, generator=g)
-    w = torch.randn(rows * N, K, generator=g) * 0.2
-    b = torch.randn(rows * N, generator=g) if bias else None
-    return [t.to(DEVICE) if t is not None else None for t in (x, nw, w, b)]
 
 
 @pytest.mark.parametrize("M,N,K,bias", CASES)
