@@ -68,7 +68,11 @@ CTX = [0, 5, 15, 16, 40, 100]   # a first token, in-page, a page's end, across p
                                  {"num_splits": 3, "block_n": 16},
                                  {"num_splits": 8, "block_n": 32},
                                  {"num_splits": 2, "block_n": 64}])
-def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg, prefetch, monkeypatch):
+    """``prefetch``: the first cached key tile loaded before the PDL wait (``PREFETCH``):
+    the same numerics, and the NaN slots show that it reads no key it should not."""
+    monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)
     qkv, positions, kv, md, (qw, kw) = _decode_batch(CTX, H, Hkv, D, seed=H + D)
     cos_sin = build_cos_sin_cache(D, 256, 10000.0, DEVICE)
     weights = (qw, kw) if use_norm else (None, None)
@@ -188,12 +192,15 @@ def test_llm_greedy_fused_rope_attention_on_equals_off(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="bf16 and CUDA graphs need the GPU")
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("ctx", [[0, 100, 1000], [7] * 32, [1500]])
-def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx):
+def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx, prefetch, monkeypatch):
     """Qwen3-0.6B's attention shape (16 q / 8 KV heads, d 128), bf16, the decode table's
     launch (splits as a batch of 3 or 32 gets them; one request: 24 splits, the folded
     merge): against qk_norm_rope + paged_attention
-    (compiled), and a CUDA-graph replay (PDL on by default) bitwise equal to eager."""
+    (compiled), and a CUDA-graph replay (PDL on by default) bitwise equal to eager; with
+    the first key tile loaded before the PDL wait (``PREFETCH``) and without."""
+    monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)
     from mrv2.kernels.attention import paged_attention
     from mrv2.kernels.rotary import qk_norm_rope
     qkv, positions, kv, md, (qw, kw) = _decode_batch(ctx, 16, 8, 128, seed=len(ctx),

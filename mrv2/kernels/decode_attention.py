@@ -62,6 +62,15 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 #: b2 1.02 -> 1.18 (job 14B, ``bench_latency_merge-in-o-proj-*_job14B.json``).
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
+#: Load each program's first cached key tile BEFORE the PDL wait (``MRV2_ATTENTION_PREFETCH=1``):
+#: the lesson of ``skinny_stream`` (a program's bytes in flight while the kernel before it
+#: ends) applied to attention, whose cached keys no kernel of the current step writes. At
+#: batch 1 and short contexts each split is one tile, so all its keys would be in flight.
+#: OFF until measured in the model (written in session 15 with no device time left; the
+#: interpreter tests check its numerics): ``scripts/bench_with.py --set
+#: 'mrv2.kernels.decode_attention:PREFETCH=true' -- bench latency ...``.
+PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", False)
+
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
 #: while it won at 4-32 (job AB): larger batches keep the two kernels.
@@ -149,19 +158,42 @@ def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
 
 
 @triton.jit
-def _key_tile(acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block_table_ptr,
-              qk_scale, kh, c, c_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
-              HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    # BLOCK_N cached keys from `start` (those below kv_hi) into the online softmax.
+def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # This split's keys [lo, hi) of the request's seq_len, and kv_hi: the cached ones below
+    # the new token (key seq_len - 1), which the kernel adds from registers.
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * tiles * BLOCK_N
+    hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
+    return lo, hi, tl.minimum(hi, seq_len - 1)
+
+
+@triton.jit
+def _load_key_tile(start, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, c, c_ok, stride_ckv,
+                   stride_cb, stride_co, stride_ch, stride_bt, HALF: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr = ""):
+    # The BLOCK_N cached keys and values from `start` (those below kv_hi; the rest load 0)
+    # as the halves RoPE pairs: K^T [BH, BN] twice, V [BN, BH] twice, and the key mask.
+    # CACHE=".cg": through L2 only (a load issued before the PDL wait: see the kernel).
     n = start + tl.arange(0, BLOCK_N)                                   # [BN]
     n_ok = n < kv_hi
-    page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
+    page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0,
+                   cache_modifier=CACHE)
     slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
     k_mask = c_ok[:, None] & n_ok[None, :]                              # [BH, BN]
     k_ptrs = kv_cache_ptr + slot_off[None, :] + c[:, None]              # [BH, BN]: K^T halves
-    k1 = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    k2 = tl.load(k_ptrs + HALF, mask=k_mask, other=0.0)
+    v_mask = n_ok[:, None] & c_ok[None, :]                              # [BN, BH]
+    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + c[None, :]
+    return (tl.load(k_ptrs, mask=k_mask, other=0.0, cache_modifier=CACHE),
+            tl.load(k_ptrs + HALF, mask=k_mask, other=0.0, cache_modifier=CACHE),
+            tl.load(v_ptrs, mask=v_mask, other=0.0, cache_modifier=CACHE),
+            tl.load(v_ptrs + HALF, mask=v_mask, other=0.0, cache_modifier=CACHE), n_ok)
+
+
+@triton.jit
+def _attend_key_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, n_ok, qk_scale,
+                     DOT_PRECISION: tl.constexpr):
+    # One loaded key tile into the online softmax (masked keys score -inf).
     s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
     s = (s + tl.dot(q2, k2, input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN], log2 units
     s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -169,10 +201,6 @@ def _key_tile(acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])                                     # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_mask = n_ok[:, None] & c_ok[None, :]                              # [BN, BH]
-    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + c[None, :]
-    v1 = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    v2 = tl.load(v_ptrs + HALF, mask=v_mask, other=0.0)
     acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v1.dtype), v1, input_precision=DOT_PRECISION)
     acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
     return acc1, acc2, m_new, l_i
@@ -180,7 +208,9 @@ def _key_tile(acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block
 
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
 _norm_rope_body = interpreter_body(_norm_rope)
-_key_tile_body = interpreter_body(_key_tile)
+_split_range_body = interpreter_body(_split_range)
+_load_key_tile_body = interpreter_body(_load_key_tile)
+_attend_key_tile_body = interpreter_body(_attend_key_tile)
 
 
 @triton.jit
@@ -196,24 +226,48 @@ def _decode_rope_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     FOLD_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
-    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
-    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
-    if PDL and GDC_CALLS:
-        gdc_wait()
-        gdc_launch_dependents()
     # Program = (request, KV head x split of the keys). Request b decodes token t.
     b = tl.program_id(0)
     kh = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
-    t = tl.load(query_start_loc_ptr + b)
-    if tl.load(query_start_loc_ptr + b + 1) - t <= 0:  # graph padding: no token
-        return
-    seq_len = tl.load(seq_lens_ptr + b)
-    new_pos = seq_len - 1                               # the new token's key index
     dt = qkv_ptr.dtype.element_ty
     c = tl.arange(0, BLOCK_HALF)                                        # [BH] half a head
     c_ok = c < HALF
+    if PREFETCH:
+        # The step's metadata and the first cached key tile BEFORE the wait. None of it comes
+        # from the kernel right before this one (qkv): the metadata from the input prep at
+        # the step's start, the cached keys from earlier steps (this launch writes only the
+        # new token's slot, which it does not read). Every kernel up to the one before that
+        # has completed once this one runs (the one before passed its own wait first, or
+        # was launched without PDL), so L2 holds their writes. NOTE: ".cg" loads, through
+        # L2 only: an SM's L1 could still hold a line of the previous step's metadata.
+        t = tl.load(query_start_loc_ptr + b, cache_modifier=".cg")
+        q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=".cg") - t
+        seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")
+        lo, hi, kv_hi = _split_range_body(seq_len, split, NUM_SPLITS, BLOCK_N)
+        # NOTE: a padding row (no token) masks every key.
+        k1_0, k2_0, v1_0, v2_0, n_ok_0 = _load_key_tile_body(
+            lo, tl.where(q_len > 0, kv_hi, 0), b, kv_cache_ptr, block_table_ptr, kh, c, c_ok,
+            stride_ckv, stride_cb, stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N,
+            ".cg")
+        if PDL and GDC_CALLS:
+            gdc_wait()
+            gdc_launch_dependents()
+    else:
+        # NOTE: with PDL every input may come from the kernel before: wait first, then let
+        # the next kernel launch (mrv2/kernels/pdl.py); every program, before any return.
+        if PDL and GDC_CALLS:
+            gdc_wait()
+            gdc_launch_dependents()
+        t = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - t
+        seq_len = tl.load(seq_lens_ptr + b)
+        lo, hi, kv_hi = _split_range_body(seq_len, split, NUM_SPLITS, BLOCK_N)
+    if q_len <= 0:  # graph padding: no token
+        return
+    new_pos = seq_len - 1                               # the new token's key index
     cs = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cp + c       # its RoPE angles
     cos = tl.load(cs, mask=c_ok, other=0.0)[None, :]                    # [1, BH]
     sin = tl.load(cs + HALF, mask=c_ok, other=0.0)[None, :]
@@ -231,20 +285,23 @@ def _decode_rope_attention_kernel(
     q1, q2 = q1.to(kv_dt), q2.to(kv_dt)                                 # tl.dot: one dtype
 
     # 2. The cached keys of this split's range, below the new token.
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    lo = split * tiles * BLOCK_N
-    hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
-    kv_hi = tl.minimum(hi, new_pos)
-    for start in range(lo, kv_hi, BLOCK_N):
-        acc1, acc2, m_i, l_i = _key_tile_body(
-            acc1, acc2, m_i, l_i, q1, q2, start, kv_hi, b, kv_cache_ptr, block_table_ptr,
-            qk_scale, kh, c, c_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
-            HALF, PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    first = lo
+    if PREFETCH:
+        if lo < kv_hi:
+            acc1, acc2, m_i, l_i = _attend_key_tile_body(
+                acc1, acc2, m_i, l_i, q1, q2, k1_0, k2_0, v1_0, v2_0, n_ok_0, qk_scale,
+                DOT_PRECISION)
+        first = lo + BLOCK_N
+    for start in range(first, kv_hi, BLOCK_N):
+        k1, k2, v1, v2, n_ok = _load_key_tile_body(
+            start, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, c, c_ok, stride_ckv, stride_cb,
+            stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N)
+        acc1, acc2, m_i, l_i = _attend_key_tile_body(
+            acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, n_ok, qk_scale, DOT_PRECISION)
 
     # 3. The new token, in the program whose range holds it: k-norm + RoPE, the cache
     # write, and its score and value straight from registers.
@@ -411,7 +468,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_HALF=block_half, USE_NORM=use_norm, PAGE_SIZE=kv_cache.shape[2],
         NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
-        FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
+        FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits), PREFETCH=PREFETCH,
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)

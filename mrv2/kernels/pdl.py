@@ -35,6 +35,11 @@ attribute needs nothing: the stream serialises it as always.
 NOTE: reading weights before the wait assumes no kernel right before writes them: true of
 the model (weights are written once, at load); a caller that updates a weight in place and
 then launches one of these kernels at once must leave PDL off.
+NOTE: ``decode_attention.PREFETCH`` (opt-in, unmeasured) widens the contract by one step: its
+loads before the wait are the step's metadata and the cached keys, written by kernels at
+least two launches back. Those have completed when it starts (the kernel right before it
+passed its own wait first, or was launched without PDL), so L2 holds their writes; the
+loads bypass L1 (``.cg``), which could still hold a line of the previous step's metadata.
 
 The kernels that take it, so that every pair of neighbours in a decode layer overlaps:
 ``skinny_fused`` (its first weight tile, norm weight and bias are loaded before the wait),
