@@ -169,11 +169,13 @@ def test_bench_smoke_with_pdl(tmp_path):
         import bench_skinny_fused
     finally:
         sys.path.pop(0)
-    before = pdl.PDL_ENABLED
+    from mrv2.kernels import skinny_stream
+    before = pdl.PDL_ENABLED, skinny_stream.ENABLED
     bench_skinny_fused.main(["--smoke", "--pdl", "--layers", "1", "--out", str(tmp_path / "f.json")])
-    assert pdl.PDL_ENABLED == before                               # restored after the runner
+    assert (pdl.PDL_ENABLED, skinny_stream.ENABLED) == before      # restored after the runners
     rows = json.loads((tmp_path / "f.json").read_text())["chain"]
-    assert {r["runner"] for r in rows} == {"unfused", "fused", "fused_pdl"}
+    # (the smoke run also takes the stream runners: tests/test_skinny_fused.py checks them)
+    assert {r["runner"] for r in rows} == {"unfused", "fused", "fused_pdl", "stream", "stream_pdl"}
     assert all(r["equal_to_fused"] for r in rows if r["runner"] == "fused_pdl")
 
 
