@@ -62,6 +62,22 @@ def test_the_three_gemms_match_their_references(M, N, K, bias, spy):
     assert spy == ([M] * 3 if M else [])       # every launch took the stream kernel
 
 
+def test_row_strided_x_and_residual_views(spy):
+    """x and the residual as column slices of wider buffers (row strides > their widths): only
+    the residual's own columns change."""
+    x, nw, w, b = _inputs(2, 20, 72, True, seed=9)
+    xbuf = torch.randn(2, 100, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    xbuf[:, :72] = x
+    buf = torch.randn(2, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    before = buf.clone()
+    skinny_linear_add(xbuf[:, :72], w, buf[:, :20], b)
+    torch.testing.assert_close(buf[:, :20], skinny_linear_add_ref(x, w, before[:, :20], b), **TOL)
+    assert torch.equal(buf[:, 20:], before[:, 20:])
+    torch.testing.assert_close(skinny_norm_linear(xbuf[:, :72], nw, 1e-6, w, b),
+                               skinny_norm_linear_ref(x, nw, 1e-6, w, b), **TOL)
+    assert spy == [2, 2]
+
+
 @pytest.mark.parametrize("block_n", [1, 4, 32])
 def test_launch_overrides_and_the_skinny_kernel_fallback(block_n, spy):
     x, nw, w, b = _inputs(2, 50, 80, True, seed=block_n)
