@@ -39,9 +39,9 @@ same code as before (Triton 3.6, sm_90: PTX and SASS equal but for line info); P
 costs registers (ptxas, M = 1: qkv 40 -> 62, gate_up 54 -> 66, o/down 40 -> 48).
 
 Since session 15 the three entry points hand 1-2 rows to ``skinny_stream`` (each program
-loads its whole weight slice before the PDL wait: TPOT at batch 1 0.89 -> 0.72-0.73 ms);
-this module's K-stepping kernel remains for 3-8 rows, for ``block_k`` overrides and with
-``MRV2_STREAM_GEMV=0``.
+loads its whole weight slice before the PDL wait: TPOT at batch 1 0.89 -> 0.73 ms, the
+median of 11 processes); this module's K-stepping kernel remains for 3-8 rows, for
+``block_k`` overrides and with ``MRV2_STREAM_GEMV=0``.
 
 Only for <= ``MODEL_MAX_M`` rows on the GPU, where the model's ``linear`` takes
 ``skinny_linear`` too (``MRV2_FUSED_DECODE=0`` turns it off; tests set ``ENABLED`` to
