@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_gemm, skinny_stream
+from mrv2.kernels import pdl, skinny_gemm
 from mrv2.kernels.activation import silu_and_mul_ref
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
@@ -291,6 +291,8 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     M, K = x.shape
     if M == 0 or N == 0:
         return out
+    # NOTE: imported here: skinny_stream imports this module's epilogue helpers.
+    from mrv2.kernels import skinny_stream
     if skinny_stream.ENABLED and block_k is None and skinny_stream.fits(M, K, gate_up):
         return skinny_stream.run(x, norm_weight, eps, weight, bias, residual, out, N,
                                  gate_up=gate_up, block_n=block_n, num_warps=num_warps)

@@ -43,7 +43,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from mrv2.kernels import pdl
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
+from mrv2.kernels.skinny_fused import _round_product_body, _store_body
+from mrv2.platform import TRITON_INTERPRET, env_switch
 
 #: Route the fused decode GEMMs (``skinny_fused``) here: on a GPU unless
 #: ``MRV2_STREAM_GEMV=0`` (read at import; ``skinny_fused`` reads this attribute at every
@@ -66,46 +67,28 @@ MAX_WEIGHTS_PER_THREAD = 128
 TUNED: dict[str, list[int]] = {}
 
 
+def _per_column(K: int, gate_up: bool) -> int:
+    """Weights a program holds per output column: K padded, twice for gate and up."""
+    return triton.next_power_of_2(K) * (2 if gate_up else 1)
+
+
 def default_launch(K: int, gate_up: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps): ~16,384 weights a program (the probe's best), 8 warps."""
-    per_col = triton.next_power_of_2(K) * (2 if gate_up else 1)
+    per_col = _per_column(K, gate_up)
     return max(1, min(64, 16384 // per_col)), 8
 
 
 def max_block_n(K: int, gate_up: bool, num_warps: int) -> int:
     """The widest launch (a power of two) whose weights stay within
     ``MAX_WEIGHTS_PER_THREAD`` a thread and ``MAX_WEIGHTS`` a program."""
-    per_col = triton.next_power_of_2(K) * (2 if gate_up else 1)
+    per_col = _per_column(K, gate_up)
     cap = min(MAX_WEIGHTS, MAX_WEIGHTS_PER_THREAD * 32 * num_warps) // per_col
     return max(1, 1 << (max(cap, 1).bit_length() - 1))
 
 
 def fits(M: int, K: int, gate_up: bool) -> bool:
     """Whether a launch of ``M`` rows over ``K`` can hold one column's weights a program."""
-    per_col = triton.next_power_of_2(K) * (2 if gate_up else 1)
-    return 1 <= M <= MAX_M and per_col <= MAX_WEIGHTS
-
-
-@triton.jit
-def _finish_row(acc, acc_up, b, bu, out_ptr, residual_ptr, row, n, n_ok, stride_rm, stride_om,
-                DT: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    # One row's epilogue: bias, the rounding of the unfused path, SiLU * up or + residual.
-    if HAS_BIAS:
-        acc += b
-        if GATE_UP:
-            acc_up += bu
-    y = acc.to(DT).to(tl.float32)                                        # [BN] the GEMM output
-    if GATE_UP:
-        s = (y / (1.0 + tl.exp(-y))).to(DT).to(tl.float32)                # silu(g)
-        y = (s * acc_up.to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    if ADD_RESIDUAL:
-        # NOTE: in place is race-free: a program reads and writes only its own columns.
-        y += tl.load(residual_ptr + row * stride_rm + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-_finish_row_body = interpreter_body(_finish_row)
+    return 1 <= M <= MAX_M and _per_column(K, gate_up) <= MAX_WEIGHTS
 
 
 @triton.jit
@@ -160,8 +143,14 @@ def _skinny_stream_kernel(
             acc_up = acc
             if GATE_UP:
                 acc_up = row_sum(wu.to(tl.float32) * x[None, :], axis=1)
-            _finish_row_body(acc, acc_up, b, bu, out_ptr, residual_ptr, row, n, n_ok,
-                             stride_rm, stride_om, dt, GATE_UP, ADD_RESIDUAL, HAS_BIAS)
+            if HAS_BIAS:
+                acc += b
+                if GATE_UP:
+                    acc_up += bu
+            y = _round_product_body(acc, acc_up, dt, GATE_UP)               # [BN]
+            # skinny_fused's epilogue, on this row as a [1, BN] tile (+ residual, store)
+            _store_body(y[None, :], out_ptr, residual_ptr, row + tl.arange(0, 1), n,
+                        n_ok[None, :], stride_rm, stride_om, ADD_RESIDUAL)
 
 
 def pick_launch(M: int, N: int, K: int, kind: str, block_n: int | None = None,
