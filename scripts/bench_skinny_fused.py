@@ -271,13 +271,7 @@ def persistent_sweep(smoke: bool, layers: int) -> list[dict]:
             pl._GRIDS.clear()
             run = _with_pdl(_persistent, True)
             out = run(h, attn, ws)
-            us = 0.0
-            if not smoke:
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run(h, attn, ws)
-                us = _time_us(graph.replay, smoke)
+            us = _graph_us(run, (h, attn, ws), smoke)
             grid = next(iter(pl._GRIDS.values()), None)
             rows.append({"config": {k: list(v) if isinstance(v, tuple) else v
                                     for k, v in cfg.items()}, "grid": grid, "us_per_step": us,

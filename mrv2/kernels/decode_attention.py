@@ -158,14 +158,19 @@ def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
 
 
 @triton.jit
-def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # This split's keys [lo, hi) of the request's seq_len, and kv_hi: the cached ones below
-    # the new token (key seq_len - 1), which the kernel adds from registers.
+def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+    # Request b's token t (q_len 0: graph padding), its seq_len, this split's keys [lo, hi)
+    # and kv_hi: the cached ones below the new token (key seq_len - 1), which the kernel
+    # adds from registers. CACHE=".cg": through L2 only (loads before the PDL wait).
+    t = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
+    q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - t
+    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     tiles = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     lo = split * tiles * BLOCK_N
     hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
-    return lo, hi, tl.minimum(hi, seq_len - 1)
+    return t, q_len, seq_len, lo, hi, tl.minimum(hi, seq_len - 1)
 
 
 @triton.jit
@@ -208,7 +213,7 @@ def _attend_key_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, n_ok, qk_scal
 
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
 _norm_rope_body = interpreter_body(_norm_rope)
-_split_range_body = interpreter_body(_split_range)
+_request_range_body = interpreter_body(_request_range)
 _load_key_tile_body = interpreter_body(_load_key_tile)
 _attend_key_tile_body = interpreter_body(_attend_key_tile)
 
@@ -243,28 +248,22 @@ def _decode_rope_attention_kernel(
         # has completed once this one runs (the one before passed its own wait first, or
         # was launched without PDL), so L2 holds their writes. NOTE: ".cg" loads, through
         # L2 only: an SM's L1 could still hold a line of the previous step's metadata.
-        t = tl.load(query_start_loc_ptr + b, cache_modifier=".cg")
-        q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=".cg") - t
-        seq_len = tl.load(seq_lens_ptr + b, cache_modifier=".cg")
-        lo, hi, kv_hi = _split_range_body(seq_len, split, NUM_SPLITS, BLOCK_N)
+        t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
+            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg")
         # NOTE: a padding row (no token) masks every key.
         k1_0, k2_0, v1_0, v2_0, n_ok_0 = _load_key_tile_body(
             lo, tl.where(q_len > 0, kv_hi, 0), b, kv_cache_ptr, block_table_ptr, kh, c, c_ok,
             stride_ckv, stride_cb, stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N,
             ".cg")
-        if PDL and GDC_CALLS:
-            gdc_wait()
-            gdc_launch_dependents()
-    else:
-        # NOTE: with PDL every input may come from the kernel before: wait first, then let
-        # the next kernel launch (mrv2/kernels/pdl.py); every program, before any return.
-        if PDL and GDC_CALLS:
-            gdc_wait()
-            gdc_launch_dependents()
-        t = tl.load(query_start_loc_ptr + b)
-        q_len = tl.load(query_start_loc_ptr + b + 1) - t
-        seq_len = tl.load(seq_lens_ptr + b)
-        lo, hi, kv_hi = _split_range_body(seq_len, split, NUM_SPLITS, BLOCK_N)
+    # NOTE: with PDL the kernel before wrote qkv (and, without PREFETCH, may have written any
+    # input): wait, then let the next kernel launch (mrv2/kernels/pdl.py); every program,
+    # before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
+    if not PREFETCH:
+        t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
+            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "")
     if q_len <= 0:  # graph padding: no token
         return
     new_pos = seq_len - 1                               # the new token's key index
