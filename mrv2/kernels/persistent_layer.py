@@ -64,9 +64,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.kernels import attention, pdl, skinny_fused
+from mrv2.kernels.fused_epilogue import _round_product_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.kernels.skinny_fused import _round_product_body
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 #: The model's 1-2-row decode takes it (GPU) with ``MRV2_PERSISTENT_DECODE=1``: OFF by

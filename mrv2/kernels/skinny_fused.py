@@ -58,12 +58,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_gemm
+from mrv2.kernels import pdl, skinny_gemm, skinny_stream
 from mrv2.kernels.activation import silu_and_mul_ref
+from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import rms_norm_ref, row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.skinny_gemm import MAX_M, MODEL_MAX_M
-from mrv2.platform import TRITON_INTERPRET, interpreter_body
+from mrv2.platform import TRITON_INTERPRET
 
 #: The model's decode-sized layers run these kernels: on where the skinny GEMM is on
 #: (GPU) unless ``MRV2_FUSED_DECODE=0``. Tests set it True to run them in the interpreter.
@@ -98,34 +99,6 @@ def skinny_norm_gate_up_silu_ref(x, norm_weight, eps, gate_up_weight, bias=None)
 
 
 # ------------------------------------------------------------------ the kernel
-
-@triton.jit
-def round_product(acc, acc_up, DT: tl.constexpr, GATE_UP: tl.constexpr):
-    # The fp32 product(s) -> what the unfused path holds: the GEMM output rounded to DT,
-    # then (gate_up) silu(g) rounded and its product with the rounded u rounded. fp32 out.
-    y = acc.to(DT).to(tl.float32)
-    if GATE_UP:
-        s = (y / (1.0 + tl.exp(-y))).to(DT).to(tl.float32)                  # silu(g)
-        y = (s * acc_up.to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    return y
-
-
-@triton.jit
-def store_output(y, out_ptr, residual_ptr, m, n, mask, stride_rm, stride_om,
-                 ADD_RESIDUAL: tl.constexpr):
-    # Store the fp32 [BM, BN] tile y in out's dtype, plus the residual first when asked.
-    if ADD_RESIDUAL:
-        # NOTE: in place is race-free: a program reads and writes only its own elements.
-        r = tl.load(residual_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0)
-        y = y + r.to(tl.float32)
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-# NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
-_round_product_body = interpreter_body(round_product)
-_store_body = interpreter_body(store_output)
-
 
 @triton.jit
 def _skinny_fused_kernel(
@@ -291,8 +264,6 @@ def _run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, block_
     M, K = x.shape
     if M == 0 or N == 0:
         return out
-    # NOTE: imported here: skinny_stream imports this module's epilogue helpers.
-    from mrv2.kernels import skinny_stream
     if skinny_stream.ENABLED and block_k is None and skinny_stream.fits(M, K, gate_up):
         return skinny_stream.run(x, norm_weight, eps, weight, bias, residual, out, N,
                                  gate_up=gate_up, block_n=block_n, num_warps=num_warps)

@@ -41,9 +41,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.kernels import pdl
+from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.kernels.skinny_fused import _round_product_body, _store_body
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
 #: Route the fused decode GEMMs (``skinny_fused``) here: on a GPU unless

@@ -47,9 +47,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.kernels import pdl, skinny_fused
+from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.kernels.skinny_fused import _round_product_body, _store_body
 from mrv2.kernels.small_m_gemm import MAX_M
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
