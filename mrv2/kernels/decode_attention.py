@@ -176,10 +176,13 @@ def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.c
 @triton.jit
 def _load_key_tile(start, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, c, c_ok, stride_ckv,
                    stride_cb, stride_co, stride_ch, stride_bt, HALF: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr = ""):
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
     # The BLOCK_N cached keys and values from `start` (those below kv_hi; the rest load 0)
     # as the halves RoPE pairs: K^T [BH, BN] twice, V [BN, BH] twice, and the key mask.
     # CACHE=".cg": through L2 only (a load issued before the PDL wait: see the kernel).
+    # NOTE: no default for CACHE: Triton 3.6 on the GPU fails to compile a call that leaves
+    # a string constexpr to its default ("'str' object has no attribute 'type'"); the
+    # interpreter accepts it (tests/test_triton_traps.py checks every kernel module).
     n = start + tl.arange(0, BLOCK_N)                                   # [BN]
     n_ok = n < kv_hi
     page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0,
@@ -298,7 +301,7 @@ def _decode_rope_attention_kernel(
     for start in range(first, kv_hi, BLOCK_N):
         k1, k2, v1, v2, n_ok = _load_key_tile_body(
             start, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, c, c_ok, stride_ckv, stride_cb,
-            stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N)
+            stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N, "")
         acc1, acc2, m_i, l_i = _attend_key_tile_body(
             acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, n_ok, qk_scale, DOT_PRECISION)
 
