@@ -199,8 +199,10 @@ def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx, prefetch, m
     launch (splits as a batch of 3 or 32 gets them; one request: 24 splits, the folded
     merge): against qk_norm_rope + paged_attention
     (compiled), and a CUDA-graph replay (PDL on by default) bitwise equal to eager; with
-    the first key tile loaded before the PDL wait (``PREFETCH``) and without."""
+    the first key tile loaded before the PDL wait (``PREFETCH``) and without (the model
+    prefetches up to 8 requests only; here every batch does, 32 included)."""
     monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)
+    monkeypatch.setattr(decode_attention, "PREFETCH_MAX_REQS", 64)
     from mrv2.kernels.attention import paged_attention
     from mrv2.kernels.rotary import qk_norm_rope
     qkv, positions, kv, md, (qw, kw) = _decode_batch(ctx, 16, 8, 128, seed=len(ctx),

@@ -62,14 +62,18 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 #: b2 1.02 -> 1.18 (job 14B, ``bench_latency_merge-in-o-proj-*_job14B.json``).
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
-#: Load each program's first cached key tile BEFORE the PDL wait (``MRV2_ATTENTION_PREFETCH=1``):
-#: the lesson of ``skinny_stream`` (a program's bytes in flight while the kernel before it
-#: ends) applied to attention, whose cached keys no kernel of the current step writes. At
-#: batch 1 and short contexts each split is one tile, so all its keys would be in flight.
-#: OFF until measured in the model (written in session 15 with no device time left; the
-#: interpreter tests check its numerics): ``scripts/bench_with.py --set
-#: 'mrv2.kernels.decode_attention:PREFETCH=true' -- bench latency ...``.
-PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", False)
+#: Load each program's first cached key tile BEFORE the PDL wait, for steps of at most
+#: ``PREFETCH_MAX_REQS`` requests (``MRV2_ATTENTION_PREFETCH=0`` turns it off): the lesson of
+#: ``skinny_stream`` (a program's bytes in flight while the kernel before it ends) applied
+#: to attention, whose cached keys no kernel of the current step writes. At batch 1 and
+#: short contexts each split is one tile, so all its keys are in flight. Measured in the
+#: model (H200, Qwen3-0.6B shape, ``bench latency`` at max_model_len 256, 4 fresh processes
+#: a variant taking turns, ``scripts/bench_processes.py``, job 16A): TPOT medians off / on
+#: b1 0.836 / 0.717 ms, b2 0.920 / 0.881, b8 1.096 / 1.062 (faster in every round at all
+#: three), b32 1.405 / 1.444 (slower in every round: two tiles a program, the first held in
+#: registers through the wait). 9-31 requests are unmeasured and keep the loads after it.
+PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", True)
+PREFETCH_MAX_REQS = 8
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
@@ -470,7 +474,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_HALF=block_half, USE_NORM=use_norm, PAGE_SIZE=kv_cache.shape[2],
         NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
-        FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits), PREFETCH=PREFETCH,
+        FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
+        PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
