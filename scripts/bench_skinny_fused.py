@@ -12,12 +12,11 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
   (``mrv2.kernels.pdl``, forced on whatever ``MRV2_PDL`` says, while ``fused`` and the
   others are forced off; Hopper only, so on the CPU smoke run it is the ``fused`` path
   again), with ``equal_to_fused`` (bitwise);
-* ``stream`` / ``stream_pdl`` (``--stream``): the fused chain through
-  ``mrv2.kernels.skinny_stream`` (1-2 rows) or ``mrv2.kernels.small_m_stream`` (3-32 rows;
-  each program's whole weight slice loaded before the PDL wait), without and with PDL, with
-  ``max_abs_diff_vs_fused`` (``fused`` and ``fused_pdl`` force both off: they are
-  skinny_fused's and small_m_fused's own kernels); ``--stream-sweep`` walks each kernel
-  kind's (BLOCK_N, num_warps) on that chain, the others at their default;
+* ``stream`` / ``stream_pdl`` (``--stream``, 1-2 rows): the fused chain through
+  ``mrv2.kernels.skinny_stream`` (each program's whole weight slice loaded before the PDL
+  wait), without and with PDL, with ``max_abs_diff_vs_fused`` (``fused`` and ``fused_pdl``
+  force it off: they are skinny_fused's own kernel); ``--stream-sweep`` walks
+  each kernel kind's (BLOCK_N, num_warps) on that chain, the others at their default;
 * ``persistent`` (``--persistent``, 1-2 rows): the first qkv, then one
   ``mrv2.kernels.persistent_layer.layer_tail`` launch a layer (o_proj, gate_up, down and the
   next qkv as stages of one grid, PDL on), also with ``equal_to_fused``.
@@ -55,14 +54,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from mrv2.kernels import (
-    pdl,
-    persistent_layer,
-    skinny_fused,
-    skinny_stream,
-    small_m_fused,
-    small_m_stream,
-)
+from mrv2.kernels import pdl, persistent_layer, skinny_fused, skinny_stream, small_m_fused
 from mrv2.kernels.activation import silu_and_mul
 from mrv2.kernels.layernorm import fused_add_rms_norm, rms_norm
 from mrv2.kernels.skinny_fused import (
@@ -158,10 +150,9 @@ def _with_pdl(run, on: bool):
 
 
 def _with_stream(run, on: bool):
-    """``run`` with ``skinny_stream.ENABLED`` and ``small_m_stream.ENABLED`` forced on or
-    off: the ``fused`` runners measure skinny_fused's and small_m_fused's own kernels
-    whatever the defaults."""
-    return _forcing(skinny_stream, "ENABLED", on, _forcing(small_m_stream, "ENABLED", on, run))
+    """``run`` with ``skinny_stream.ENABLED`` forced on or off: the ``fused`` runners
+    measure skinny_fused's own kernel whatever the default."""
+    return _forcing(skinny_stream, "ENABLED", on, run)
 
 
 def _graph_us(run, args, smoke: bool) -> float:
@@ -180,31 +171,24 @@ def stream_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
     at their default: ``{"M", "kind", "block_n", "num_warps", "us_per_step"}`` rows."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
+    run = _with_pdl(_with_stream(_fused, True), True)
     rows = []
     for m in ms:
-        small = m > skinny_stream.MAX_M          # small_m_stream's rows: its own launches
-        run = _with_pdl(_with_stream(_fused_with(small_m_fused.SMALL_M_OPS) if small
-                                     else _fused, True), True)
-        tuned = small_m_stream.TUNED if small else skinny_stream.TUNED
-        key = max(16, triton.next_power_of_2(m)) if small else m
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
         attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
         base = _graph_us(run, (h, attn, ws), smoke)
         rows.append({"M": m, "kind": "default", "block_n": 0, "num_warps": 0,
                      "us_per_step": base})
         for kind in ("norm", "add", "gate_up"):
-            grid = itertools.product((16, 32, 64), (4, 8, 16)) if small else \
-                itertools.product((2, 4, 8, 16, 32), (4, 8))
-            for bn, nw in grid:
-                if not small and bn > min(skinny_stream.max_block_n(k, kind == "gate_up", nw)
-                                          for k in ((HIDDEN,) if kind != "add"
-                                                    else (ATTN, INTER))):
+            for bn, nw in itertools.product((2, 4, 8, 16, 32), (4, 8)):
+                if bn > min(skinny_stream.max_block_n(k, kind == "gate_up", nw)
+                            for k in ((HIDDEN,) if kind != "add" else (ATTN, INTER))):
                     continue  # the launch would cap it (registers spill beyond)
-                tuned[f"{kind}/{key}"] = [bn, nw]
+                skinny_stream.TUNED[f"{kind}/{m}"] = [bn, nw]
                 try:
                     us = _graph_us(run, (h, attn, ws), smoke)
                 finally:
-                    del tuned[f"{kind}/{key}"]
+                    del skinny_stream.TUNED[f"{kind}/{m}"]
                 rows.append({"M": m, "kind": kind, "block_n": bn, "num_warps": nw,
                              "us_per_step": us})
                 print(f"stream sweep M={m} {kind:>7} block_n={bn:2d} warps={nw}: "
@@ -233,9 +217,9 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
                    for label, run in runners.items()}
         if with_pdl:
             runners["fused_pdl"] = _with_stream(_with_pdl(fused, True), False)
-        if with_stream and m <= small_m_stream.MAX_M:  # the fused ops, routed there
-            runners["stream"] = _with_pdl(_with_stream(fused, True), False)
-            runners["stream_pdl"] = _with_pdl(_with_stream(fused, True), True)
+        if with_stream and m <= skinny_stream.MAX_M:  # skinny_fused's ops, routed there
+            runners["stream"] = _with_pdl(_with_stream(_fused, True), False)
+            runners["stream_pdl"] = _with_pdl(_with_stream(_fused, True), True)
         if with_persistent and m <= persistent_layer.MAX_M:
             runners["persistent"] = _with_pdl(_persistent, True)
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
@@ -339,8 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
     ap.add_argument("--stream", action="store_true", help="also the chain through "
-                    "mrv2.kernels.skinny_stream (1-2 rows) or small_m_stream (3-32), PDL "
-                    "off and on")
+                    "mrv2.kernels.skinny_stream (1-2 rows), PDL off and on")
     ap.add_argument("--stream-sweep", action="store_true",
                     help="the stream chain per kernel kind over (block_n, num_warps)")
     ap.add_argument("--persistent", action="store_true", help="also the chain as one "
@@ -359,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
               "smoke": args.smoke, "layers": args.layers,
               "chain": chain(ms, args.smoke, args.layers, args.pdl, args.persistent,
                              args.stream or args.smoke),
-              "stream_sweep": (stream_sweep([m for m in ms if m <= small_m_stream.MAX_M],
+              "stream_sweep": (stream_sweep([m for m in ms if m <= skinny_stream.MAX_M],
                                             args.smoke, args.layers)
                                if args.stream_sweep or args.smoke else []),
               "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)

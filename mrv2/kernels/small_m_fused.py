@@ -46,13 +46,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_fused, small_m_stream
+from mrv2.kernels import pdl, skinny_fused
 from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.small_m_gemm import MAX_M
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
-from mrv2.kernels.small_m_stream import _dot_body
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
@@ -64,16 +63,17 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_SMALL_M_FUSED", True))
 
 
-def model_max_m() -> int:
-    """The most rows the model sends here: ``MODEL_MAX_M``, or ``small_m_stream.MAX_M``
-    while that kernel is on (it takes 17-32 rows from cuBLAS)."""
-    return small_m_stream.MAX_M if small_m_stream.ENABLED else MODEL_MAX_M
-
-
 def use_small_m_fused(x: torch.Tensor) -> bool:
     """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
-    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= model_max_m()
+    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MODEL_MAX_M
             and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET))
+
+
+@triton.jit
+def _dot(acc, x, w, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs: exact fp32 products, as F.linear (no TF32)
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
 
 
 @triton.jit
@@ -106,6 +106,7 @@ def _w_tiles(w_ptrs, k0, K, kk, up_off, GATE_UP: tl.constexpr, EVEN_K: tl.conste
 
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches
 # triton.language (~1.6 ms a call); the kernel calls the helpers' plain Python bodies there.
+_dot_body = interpreter_body(_dot)
 _x_tile_body = interpreter_body(_x_tile)
 _w_tiles_body = interpreter_body(_w_tiles)
 
@@ -186,9 +187,6 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     M, K = x.shape
     if M == 0 or N == 0:
         return out
-    if small_m_stream.ENABLED and not config and small_m_stream.fits(M, K, gate_up):
-        return small_m_stream.run(x, norm_weight, eps, weight, bias, residual, out, N,
-                                  gate_up=gate_up)
     cfg = _small_m_launch(M, N, K, x.element_size())
     if gate_up:  # NOTE: two weight tiles in flight per stage: one stage less
         cfg["num_stages"] = max(2, cfg["num_stages"] - 1)
