@@ -37,6 +37,17 @@ batch  off (ms)  on (ms)
 At 32 rows it loses (the 28-layer GEMM chain, ``scripts/bench_skinny_fused.py --rows``: 1,013
 us with PDL against cuBLAS's 873; at 4 and 8 rows 732 and 718 against 951 and 838), so from 17
 rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 64 rows.
+
+NOTE: ``skinny_stream``'s lesson (each program's whole weight slice loaded before the PDL
+wait) lost here (session 16, commit 131a7ef, reverted): a kernel holding its W^T slice as up
+to four ``[1024, BLOCK_N]`` register chunks, all rows in one ``tl.dot`` program, took the
+28-layer chain (PDL) to 1,259 / 1,270 / 1,295 / 1,447 us at 4 / 8 / 16 / 32 rows against this
+kernel's 702 / 715 / 731 / 1,005 and cuBLAS's 1,033 / 839 / 855 / 871; TPOT at batch 4 1.01 ->
+1.50 ms (job 16B, ``*_job16B-131a7ef.json``). Triton converts each register-resident chunk
+to the MMA operand layout through shared memory after the wait (wider launches ran out of
+it), and the x tiles compete for the same registers. Resident weights on tensor cores need
+them in shared memory from the start (TMA or cp.async issued before the wait), which plain
+``tl.load`` does not express.
 """
 
 from __future__ import annotations
