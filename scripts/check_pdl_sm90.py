@@ -36,11 +36,20 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import attention, decode_attention, pdl, rotary, skinny_fused, small_m_fused
+from mrv2.kernels import (
+    attention,
+    decode_attention,
+    pdl,
+    rotary,
+    skinny_fused,
+    skinny_stream,
+    small_m_fused,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
            (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"),
+           (skinny_stream, "_skinny_stream_kernel"),
            (small_m_fused, "_small_m_fused_kernel"),
            (decode_attention, "_decode_rope_attention_kernel"))
 

@@ -1,0 +1,189 @@
+"""What a launch costs an H200's SMs, without a GPU: registers, spills, shared memory, waves.
+
+A short decode kernel is often bound not by bytes but by how many of its programs an SM holds
+at once: a program that needs 64 KB of shared memory or 200 registers a thread leaves the
+SMs half empty, and a grid of more programs than fit runs in waves, each paying the program's
+whole latency. This compiles the model's decode attention launches for ``cuda:90`` exactly as
+``scripts/check_pdl_sm90.py`` does (the Triton JIT's own binder, on CPU tensors), runs ptxas
+on each, and prints per launch::
+
+    grid programs, warps, registers a thread, spill bytes, shared memory, programs an SM
+    holds (the tightest of registers, shared memory, warps and the 32-block cap), waves
+
+Launches: the fused decode kernel (``decode_rope_attention``) at the ``bench latency`` shape
+(max_model_len 256: a CUDA graph bakes ``max_seq_len`` in) for the batch sizes asked, with
+the launch the package picks and the ``--variants`` given; ``paged_attention`` at batch 256 as
+the throughput workloads launch it (max_model_len 160 and 2,176). Use Triton 3.6 (the
+H200's) unpacked from its wheel, as check_pdl_sm90's docstring says::
+
+    TRITON_INTERPRET=0 PYTHONPATH=/tmp/t36:. python scripts/occupancy_sm90.py --batches 8,32 \\
+        --variants '{"num_stages": 1}' '{"num_warps": 2}' --out /tmp/occ.json
+
+Occupancy is the hardware's arithmetic (sm_90: 65,536 registers, allocated per warp in
+256-register units; 228 KB of shared memory, 1 KB reserved a block; 64 warps; 32 blocks),
+not a measurement: it says which launches CAN keep an SM busy, the GPU says which do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+# NOTE: compile, do not interpret: set before mrv2 (which would default it to 1 on the CPU).
+os.environ["TRITON_INTERPRET"] = "0"
+
+import mrv2  # noqa: F401, I001
+import torch
+import triton
+from check_pdl_sm90 import _compile
+
+from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import attention, decode_attention, pdl
+
+NUM_SMS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, BLOCKS_PER_SM = \
+    132, 65536, 233472, 1024, 64, 32
+
+
+def programs_per_sm(regs: int, num_warps: int, smem: int) -> dict:
+    """How many programs of a kernel one sm_90 SM holds, and which resource decides."""
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    limits = {"registers": REGS_PER_SM // regs_per_warp // num_warps,
+              "shared memory": SMEM_PER_SM // (smem + SMEM_RESERVED),
+              "warps": WARPS_PER_SM // num_warps, "blocks": BLOCKS_PER_SM}
+    bound = min(limits, key=limits.get)
+    return {"programs_per_sm": limits[bound], "bound_by": bound}
+
+
+class _Capture:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the call and grid."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def _ptxas(kernel, stem: pathlib.Path) -> tuple[int, int]:
+    """(registers a thread, spill bytes stored + loaded) from ``ptxas -v`` on the PTX."""
+    stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
+    proc = subprocess.run([str(triton.knobs.nvidia.ptxas.path), "-v", "-arch=sm_90a",
+                           str(stem) + ".ptx", "-o", str(stem) + ".cubin"],
+                          capture_output=True, text=True, check=False)
+    regs = re.search(r"Used (\d+) registers", proc.stderr)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", proc.stderr)]
+    if regs is None:
+        raise RuntimeError(f"ptxas said: {proc.stderr[-400:]}")
+    return int(regs.group(1)), sum(spills)
+
+
+def _decode_md(batch: int, context: int, max_seq_len: int, pages: int) -> AttentionMetadata:
+    return AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32),
+                             torch.full((batch,), context, dtype=torch.int32),
+                             torch.zeros(batch, pages, dtype=torch.int32),
+                             torch.arange(batch, dtype=torch.int64) * 16, 1, max_seq_len)
+
+
+def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, object]]:
+    """``(label, launch config, captured call)`` for every launch to compile."""
+    bf = torch.bfloat16
+    out = []
+    fused = _Capture(decode_attention._decode_rope_attention_kernel)
+    paged = _Capture(attention._paged_attention_kernel)
+    merge = attention._merge_splits_kernel
+    decode_attention._decode_rope_attention_kernel = fused
+    attention._paged_attention_kernel = paged
+    attention._merge_splits_kernel = _Capture(merge)           # launched, not compiled here
+    try:
+        kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
+        for b in batches:
+            md = _decode_md(b, 192, 256, 16)
+            base = decode_attention.pick_config(b, 8, 2, 1, 256, 128)
+            for v in [{}, *variants]:
+                prefetch = v.get("prefetch", b <= decode_attention.PREFETCH_MAX_REQS)
+                decode_attention.PREFETCH, keep = prefetch, decode_attention.PREFETCH
+                try:
+                    cfg = {k: x for k, x in v.items() if k != "prefetch"}
+                    decode_attention.decode_rope_attention(
+                        torch.randn(b, 4096, dtype=bf), torch.full((b,), 191),
+                        torch.randn(4096, 128), torch.randn(128, dtype=bf),
+                        torch.randn(128, dtype=bf), 1e-6, kv, md, 128 ** -0.5, 16, 8,
+                        config=cfg)
+                finally:
+                    decode_attention.PREFETCH = keep
+                out.append((f"decode_rope_attention b{b} ctx192 max256",
+                            {**base, **cfg, "prefetch": prefetch}, fused.calls[-1]))
+        q = torch.randn(256, 16, 128, dtype=bf)
+        for max_len in (160, 2176):
+            md = _decode_md(256, min(96, max_len), max_len, max_len // 16)
+            base = attention._pick_config(256, 8, 2, 1, max_len, 128)
+            for v in [{}, *variants]:
+                cfg = {k: x for k, x in v.items() if k != "prefetch"}
+                if "prefetch" in v:
+                    continue
+                attention.paged_attention(q, kv, md, 128 ** -0.5, config=cfg)
+                out.append((f"paged_attention b256 max{max_len}", {**base, **cfg},
+                            paged.calls[-1]))
+    finally:
+        decode_attention._decode_rope_attention_kernel = fused.fn
+        attention._paged_attention_kernel = paged.fn
+        attention._merge_splits_kernel = merge
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Compile every launch; returns (and writes, with ``--out``) one row per launch."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes (fused kernel)")
+    ap.add_argument("--variants", nargs="*", type=json.loads, default=[],
+                    help="launch overrides (JSON), each tried beside the package's choice; "
+                         '"prefetch": true/false for the fused kernel')
+    ap.add_argument("--out", default=None, help="JSON of the rows")
+    ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
+    args = ap.parse_args(argv)
+    pdl.use_pdl = lambda device: True                      # CPU tensors: the H200's choice
+    pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
+    attention._NUM_SMS = NUM_SMS
+    ptx_dir = pathlib.Path(args.ptx_dir)
+    ptx_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (label, cfg, (grid, a, kw)) in enumerate(
+            launches([int(b) for b in args.batches.split(",")], args.variants)):
+        kernel = _compile(_fn_of(label), a, kw)
+        regs, spill = _ptxas(kernel, ptx_dir / f"launch_{i}")
+        warps, smem = kernel.metadata.num_warps, kernel.metadata.shared
+        occ = programs_per_sm(regs, warps, smem)
+        programs = 1
+        for g in grid:
+            programs *= g
+        rows.append({"launch": label, "config": cfg, "grid_programs": programs,
+                     "num_warps": warps, "registers": regs, "spill_bytes": spill,
+                     "shared_bytes": smem, **occ,
+                     "waves": -(-programs // (NUM_SMS * max(occ["programs_per_sm"], 1)))})
+        r = rows[-1]
+        short = {k: v for k, v in cfg.items() if k in ("num_splits", "block_n", "num_warps",
+                                                        "num_stages", "prefetch")}
+        print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
+              f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
+              f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _fn_of(label: str):
+    return (decode_attention._decode_rope_attention_kernel if label.startswith("decode")
+            else attention._paged_attention_kernel)
+
+
+if __name__ == "__main__":
+    main()
