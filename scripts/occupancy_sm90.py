@@ -127,12 +127,17 @@ def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, 
             md = _decode_md(256, min(96, max_len), max_len, max_len // 16)
             base = attention._pick_config(256, 8, 2, 1, max_len, 128)
             for v in [{}, *variants]:
-                cfg = {k: x for k, x in v.items() if k != "prefetch"}
                 if "prefetch" in v:
                     continue
-                attention.paged_attention(q, kv, md, 128 ** -0.5, config=cfg)
-                out.append((f"paged_attention b256 max{max_len}", {**base, **cfg},
-                            paged.calls[-1]))
+                cfg = {k: x for k, x in v.items() if k != "decode_one_loop"}
+                one_loop = v.get("decode_one_loop", attention.DECODE_ONE_LOOP)
+                keep, attention.DECODE_ONE_LOOP = attention.DECODE_ONE_LOOP, one_loop
+                try:
+                    attention.paged_attention(q, kv, md, 128 ** -0.5, config=cfg)
+                finally:
+                    attention.DECODE_ONE_LOOP = keep
+                out.append((f"paged_attention b256 max{max_len}",
+                            {**base, **cfg, "decode_one_loop": one_loop}, paged.calls[-1]))
     finally:
         decode_attention._decode_rope_attention_kernel = fused.fn
         attention._paged_attention_kernel = paged.fn
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes (fused kernel)")
     ap.add_argument("--variants", nargs="*", type=json.loads, default=[],
                     help="launch overrides (JSON), each tried beside the package's choice; "
-                         '"prefetch": true/false for the fused kernel')
+                         '"prefetch": true/false for the fused kernel, "decode_one_loop": '
+                         "true/false for paged attention")
     ap.add_argument("--out", default=None, help="JSON of the rows")
     ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
     args = ap.parse_args(argv)
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "waves": -(-programs // (NUM_SMS * max(occ["programs_per_sm"], 1)))})
         r = rows[-1]
         short = {k: v for k, v in cfg.items() if k in ("num_splits", "block_n", "num_warps",
-                                                        "num_stages", "prefetch")}
+                                                        "num_stages", "prefetch",
+                                                        "decode_one_loop")}
         print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
               f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
               f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")

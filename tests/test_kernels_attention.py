@@ -235,3 +235,22 @@ def test_longest_first_on_the_gpu_bf16():
     plain = paged_attention(q, kv_cache, md, 128 ** -0.5)
     got = paged_attention(q, kv_cache, md_o, 128 ** -0.5)
     assert torch.equal(got[:len(reqs)], plain[:len(reqs)])
+
+
+@pytest.mark.parametrize("decode_one_loop", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_gpus_two_loop_form_and_the_decode_one_loop(decode_one_loop, num_splits,
+                                                        monkeypatch):
+    """The interpreter runs every program as one masked loop (``_ONE_LOOP``); the GPU runs the
+    full tiles first, then the causal tile, or with ``DECODE_ONE_LOOP`` a decode token's keys
+    all in the masked loop. Both forms interpreted, on a mixed step (prefills, decodes on and
+    off tile boundaries, a long cached prefix, padding rows and tokens) against the reference."""
+    from mrv2.kernels import attention
+    monkeypatch.setattr(attention, "_ONE_LOOP", False)
+    monkeypatch.setattr(attention, "DECODE_ONE_LOOP", decode_one_loop)
+    reqs = [(0, 20), (7, 1), (63, 1), (30, 9), (64, 1), (95, 1), (200, 1)]
+    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, num_pad_tokens=2)
+    expected = paged_attention_ref(q, kv_cache, md, 0.25)
+    for cfg in ({"block_n": 16}, {"block_n": 64}):
+        got = paged_attention(q, kv_cache, md, 0.25, num_splits=num_splits, config=cfg)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

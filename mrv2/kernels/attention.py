@@ -135,7 +135,7 @@ def _paged_attention_kernel(
     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FOLD: tl.constexpr,
-    ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_LOOP: tl.constexpr, DECODE_ONE_LOOP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
     req_order_ptr=None, HAS_ORDER: tl.constexpr = False,                      # optional
@@ -194,6 +194,8 @@ def _paged_attention_kernel(
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     if ONE_LOOP:  # NOTE: the interpreter pays per operation: mask every tile, one loop
         full_end = 0
+    if DECODE_ONE_LOOP:  # a decode token's keys in one (pipelined) loop: see DECODE_ONE_LOOP
+        full_end = tl.where(q_len == 1, 0, full_end)
 
     # Online softmax state in fp32 (a finite start keeps fully masked rows NaN-free).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -310,6 +312,21 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     return cfg
 
 
+#: Each decode token's keys in ONE loop, every tile masked (``MRV2_DECODE_ONE_LOOP=1``), instead
+#: of the full tiles first and the causal tile after. A loop is software-pipelined on its own
+#: (``num_stages`` tiles in flight), so with two loops a short decode context pays its tile
+#: latencies in series: at 96 keys (host-bound's mean) the first loop has one full tile and
+#: the second the partial one, nothing overlaps. For a decode token (q_len 1) the causal mask
+#: is just ``key < seq_len``, so masking every tile costs a compare a key. Chosen per program
+#: at run time (``q_len == 1``): prefill programs of the same launch keep both loops.
+#: OFF until measured: at batch 256 paged attention is ~40 us a layer for ~24 us of bytes
+#: (4 waves of 2,048 programs, 4 an SM: ``scripts/occupancy_sm90.py``), so this is the lever
+#: to try first: ``scripts/bench_with.py --set mrv2.kernels.attention:DECODE_ONE_LOOP=true
+#: -- bench throughput --workload host-bound``. The interpreter always runs one loop
+#: (``_ONE_LOOP``); the tests run the GPU's two-loop form interpreted too.
+DECODE_ONE_LOOP: bool = env_switch("MRV2_DECODE_ONE_LOOP", False)
+#: The interpreter's single masked loop for every program (it pays per operation).
+_ONE_LOOP: bool = TRITON_INTERPRET
 #: ``longest_first`` orders decode batches of at least this many requests (up to 32 the model
 #: takes ``decode_attention``'s fused kernel, which has no order; 33-63 were not measured with
 #: one: a grid of 264-504 programs runs in about one wave of 4 programs an SM) ...
@@ -439,7 +456,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         *q.stride(), *out.stride(), *kv_cache.stride(), md.block_table.stride(0),
         *part_acc.stride()[:3], *part_ml.stride()[:3],
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        NUM_SPLITS=splits, KV_FOLD=kv_fold, ONE_LOOP=TRITON_INTERPRET,
+        NUM_SPLITS=splits, KV_FOLD=kv_fold, ONE_LOOP=_ONE_LOOP,
+        DECODE_ONE_LOOP=DECODE_ONE_LOOP and not _ONE_LOOP,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
