@@ -23,7 +23,9 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
 
 ``--rows 4,8,32`` (3-64 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
 ``F.linear``, ``silu_and_mul``) with ``mrv2.kernels.small_m_fused``'s tensor-core ones
-(``fused``, ``fused_pdl``).
+(``fused``, ``fused_pdl``); ``--split-k`` adds them with each tile's K split over several
+programs (``split``, ``split_pdl``: ``small_m_fused.SPLIT_K``'s rule), with
+``max_abs_diff_vs_fused``.
 
 Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
 GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
@@ -149,6 +151,11 @@ def _with_pdl(run, on: bool):
     return _forcing(pdl, "PDL_ENABLED", on, run)
 
 
+def _with_split(run, on: bool):
+    """``run`` with small_m_fused's split-K (``SPLIT_K``, its rule) forced on or off."""
+    return _forcing(small_m_fused, "SPLIT_K", on, run)
+
+
 def _with_stream(run, on: bool):
     """``run`` with ``skinny_stream.ENABLED`` forced on or off: the ``fused`` runners
     measure skinny_fused's own kernel whatever the default."""
@@ -199,7 +206,8 @@ def stream_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
 
 
 def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
-          with_persistent: bool = False, with_stream: bool = False) -> list[dict]:
+          with_persistent: bool = False, with_stream: bool = False,
+          with_split: bool = False) -> list[dict]:
     """``layers`` decode layers' GEMM part per runner, one CUDA graph each (eager in smoke)."""
     dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
     ws = _weights(layers, div, dev, dt)
@@ -213,10 +221,14 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
             runners = {"unfused": _unfused(F.linear),
                        "fused": _fused_with(small_m_fused.SMALL_M_OPS)}
         fused = runners["fused"]
-        runners = {label: _with_stream(_with_pdl(run, False), False)
+        runners = {label: _with_split(_with_stream(_with_pdl(run, False), False), False)
                    for label, run in runners.items()}
         if with_pdl:
-            runners["fused_pdl"] = _with_stream(_with_pdl(fused, True), False)
+            runners["fused_pdl"] = _with_split(_with_stream(_with_pdl(fused, True), False),
+                                               False)
+        if with_split and m > skinny_fused.MODEL_MAX_M:  # small_m_fused's K split in
+            runners["split"] = _with_split(_with_pdl(fused, False), True)
+            runners["split_pdl"] = _with_split(_with_pdl(fused, True), True)
         if with_stream and m <= skinny_stream.MAX_M:  # skinny_fused's ops, routed there
             runners["stream"] = _with_pdl(_with_stream(_fused, True), False)
             runners["stream_pdl"] = _with_pdl(_with_stream(_fused, True), True)
@@ -234,6 +246,9 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
                          "max_abs_diff_vs_unfused":
                              (results[label] - results["unfused"]).abs().max().item()
                              if "unfused" in results else None})
+            if label.startswith("split"):
+                rows[-1]["max_abs_diff_vs_fused"] = \
+                    (results[label] - results["fused"]).abs().max().item()
             if label in ("fused_pdl", "persistent"):
                 rows[-1]["equal_to_fused"] = torch.equal(results[label], results["fused"])
             if label.startswith("stream"):
@@ -326,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "mrv2.kernels.skinny_stream (1-2 rows), PDL off and on")
     ap.add_argument("--stream-sweep", action="store_true",
                     help="the stream chain per kernel kind over (block_n, num_warps)")
+    ap.add_argument("--split-k", action="store_true", help="also small_m_fused's chain "
+                    "(3-64 rows) with its K split (SPLIT_K's rule), PDL off and on")
     ap.add_argument("--persistent", action="store_true", help="also the chain as one "
                     "persistent launch a layer (mrv2.kernels.persistent_layer, PDL on)")
     ap.add_argument("--persistent-sweep", action="store_true",
@@ -341,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
               "smoke": args.smoke, "layers": args.layers,
               "chain": chain(ms, args.smoke, args.layers, args.pdl, args.persistent,
-                             args.stream or args.smoke),
+                             args.stream or args.smoke, args.split_k or args.smoke),
               "stream_sweep": (stream_sweep([m for m in ms if m <= skinny_stream.MAX_M],
                                             args.smoke, args.layers)
                                if args.stream_sweep or args.smoke else []),

@@ -145,6 +145,38 @@ def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, 
     return out
 
 
+GEMM_KINDS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def gemm_launches(rows_list: list[int]) -> list[tuple[str, dict, object]]:
+    """The four small_m_fused GEMMs of a decode layer (Qwen3-0.6B, bf16) at each row count,
+    unsplit and with ``split_k_for``'s split (``small_m_fused.SPLIT_K`` off / on)."""
+    from check_pdl_sm90 import _gemm_launches
+
+    from mrv2.kernels import small_m_fused
+    fn = small_m_fused._small_m_fused_kernel
+    cap = _Capture(fn)
+    small_m_fused._small_m_fused_kernel = cap
+    keep = small_m_fused.SPLIT_K
+    out = []
+    try:
+        for rows in rows_list:
+            for split in (False, True):
+                small_m_fused.SPLIT_K = split
+                start = len(cap.calls)
+                _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
+                for kind, call in zip(GEMM_KINDS, cap.calls[start:], strict=True):
+                    kw = call[2]
+                    cfg = {"split_k": kw["SPLIT_K"], "block_m": kw["BLOCK_M"],
+                           "block_n": kw["BLOCK_N"], "block_k": kw["BLOCK_K"],
+                           "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages")}
+                    out.append((f"small_m_fused {kind} M{rows}", cfg, call))
+    finally:
+        small_m_fused._small_m_fused_kernel = fn
+        small_m_fused.SPLIT_K = keep
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns (and writes, with ``--out``) one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,6 +185,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="launch overrides (JSON), each tried beside the package's choice; "
                          '"prefetch": true/false for the fused kernel, "decode_one_loop": '
                          "true/false for paged attention")
+    ap.add_argument("--gemm-rows", default="",
+                    help="also small_m_fused's four GEMMs at these rows (e.g. 4,8,16,32), "
+                         "unsplit and split (SPLIT_K's rule)")
     ap.add_argument("--out", default=None, help="JSON of the rows")
     ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
     args = ap.parse_args(argv)
@@ -162,8 +197,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ptx_dir = pathlib.Path(args.ptx_dir)
     ptx_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, (label, cfg, (grid, a, kw)) in enumerate(
-            launches([int(b) for b in args.batches.split(",")], args.variants)):
+    todo = launches([int(b) for b in args.batches.split(",") if b], args.variants)
+    if args.gemm_rows:
+        todo += gemm_launches([int(r) for r in args.gemm_rows.split(",")])
+    for i, (label, cfg, (grid, a, kw)) in enumerate(todo):
         kernel = _compile(_fn_of(label), a, kw)
         regs, spill = _ptxas(kernel, ptx_dir / f"launch_{i}")
         warps, smem = kernel.metadata.num_warps, kernel.metadata.shared
@@ -178,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r = rows[-1]
         short = {k: v for k, v in cfg.items() if k in ("num_splits", "block_n", "num_warps",
                                                         "num_stages", "prefetch",
-                                                        "decode_one_loop")}
+                                                        "decode_one_loop", "split_k",
+                                                        "block_k")}
         print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
               f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
               f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")
@@ -188,6 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _fn_of(label: str):
+    if label.startswith("small_m_fused"):
+        from mrv2.kernels import small_m_fused
+        return small_m_fused._small_m_fused_kernel
     return (decode_attention._decode_rope_attention_kernel if label.startswith("decode")
             else attention._paged_attention_kernel)
 

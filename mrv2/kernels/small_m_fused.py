@@ -16,6 +16,9 @@ tl.dot's 16 rows, no split-K):
 * ``small_m_norm_gate_up_silu``: RMSNorm in the prologue, a program streams its gate rows
   AND the matching up rows into two accumulators, SiLU * up in the epilogue.
 
+``SPLIT_K`` (opt-in, ``MRV2_SMALL_M_SPLIT_K=1``; unmeasured): each tile's K cut into ranges,
+one program each; ``mrv2.kernels.split_k`` says why and holds the host side.
+
 Numerics are the unfused path's, as in ``skinny_fused``: fp32 accumulation, and every value
 the unfused path writes (the normed x, each product, SiLU's result) rounded to the
 activation dtype before use. The torch references are ``skinny_fused``'s. With PDL (Hopper,
@@ -63,6 +66,8 @@ from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.small_m_gemm import MAX_M
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
+from mrv2.kernels.split_k import split_buffers as _split_buffers
+from mrv2.kernels.split_k import split_k_for, split_launch
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
@@ -74,6 +79,11 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_SMALL_M_FUSED", True))
 
 
+#: Split K over several programs per output tile (``split_k_for``): OFF until the H200
+#: measures it (``MRV2_SMALL_M_SPLIT_K=1``; ``scripts/bench_skinny_fused.py --rows 8,32
+#: --split-k``). The launch grid is 64 (o_proj, down: N = 1024 at block_n 16) to 192
+#: programs on 132 SMs, one program an SM at most: the split is how more of them stream.
+SPLIT_K: bool = env_switch("MRV2_SMALL_M_SPLIT_K", False)
 def use_small_m_fused(x: torch.Tensor) -> bool:
     """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
     return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MODEL_MAX_M
@@ -115,30 +125,49 @@ def _w_tiles(w_ptrs, k0, K, kk, up_off, GATE_UP: tl.constexpr, EVEN_K: tl.conste
     return w, wu
 
 
+@triton.jit
+def _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, m, n, m_mask, N, stride_rm,
+              stride_om, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    # Bias, then SiLU * up or the residual add, rounding where the unfused path does.
+    n_mask = n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = _round_product_body(acc, acc_up, out_ptr.dtype.element_ty, GATE_UP)  # [BM, BN]
+    _store_body(y, out_ptr, residual_ptr, m, n, m_mask[:, None] & n_mask[None, :], stride_rm,
+                stride_om, ADD_RESIDUAL)
+
+
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches
 # triton.language (~1.6 ms a call); the kernel calls the helpers' plain Python bodies there.
 _dot_body = interpreter_body(_dot)
 _x_tile_body = interpreter_body(_x_tile)
 _w_tiles_body = interpreter_body(_w_tiles)
+_epilogue_body = interpreter_body(_epilogue)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _small_m_fused_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
     out_ptr,                                            # output [M, N] (may BE residual)
-    M, N, K, eps,                                       # sizes (N: output columns)
+    part_ptr, count_ptr,                                # split-K: fp32 partials, tile counters
+    M, N, K, k_per, eps,                                # sizes (N: output columns; k_per:
+                                                        # the K range of one split)
     stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
     NORM: tl.constexpr, GATE_UP: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
-    # One program: BLOCK_N output columns x BLOCK_M rows; grid (column blocks, row blocks).
+    # One program: BLOCK_N output columns x BLOCK_M rows x one K range of k_per;
+    # grid (column blocks, row blocks, SPLIT_K).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
+    k_lo = tl.program_id(2) * k_per                                          # this split's K
     kk = tl.arange(0, BLOCK_K)                                               # [BK]
     m_mask = m < M
-    dt = out_ptr.dtype.element_ty
     # NOTE: the last column block wraps onto real rows of W (n % N): unmasked weight loads.
     w_ptrs = w_ptr + (n % N)[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]: W^T
     x_ptrs = x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :]      # [BM, BK]
@@ -146,7 +175,7 @@ def _small_m_fused_kernel(
     up_off = N * stride_wn                                                   # gate -> up rows
     if PDL:
         # Before the wait, only weights (no earlier kernel writes them): the first tile(s).
-        w0, wu0 = _w_tiles_body(w_ptrs, 0, K, kk, up_off, GATE_UP, EVEN_K)
+        w0, wu0 = _w_tiles_body(w_ptrs, k_lo, K, kk, up_off, GATE_UP, EVEN_K)
         if GDC_CALLS:  # NOTE: every program waits; the contract of mrv2/kernels/pdl.py
             gdc_wait()
             gdc_launch_dependents()
@@ -166,29 +195,50 @@ def _small_m_fused_kernel(
     # Main loop: the weight tile(s) of this program's columns along K, through tensor cores.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                     # gate (or all)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)                  # up (GATE_UP)
-    k_start = 0
+    k_start = k_lo
     if PDL:  # the first K step with the prefetched tile(s): the loop's body, peeled
-        x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, 0, K, m_mask, kk, NORM, EVEN_K)
+        x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, k_lo, K, m_mask, kk, NORM, EVEN_K)
         acc = _dot_body(acc, x, w0, IEEE)
         if GATE_UP:
             acc_up = _dot_body(acc_up, x, wu0, IEEE)
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_lo + k_per, BLOCK_K):
         x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, k0, K, m_mask, kk, NORM, EVEN_K)
         w, wu = _w_tiles_body(w_ptrs, k0, K, kk, up_off, GATE_UP, EVEN_K)
         acc = _dot_body(acc, x, w, IEEE)                                     # [BM, BN]
         if GATE_UP:
             acc_up = _dot_body(acc_up, x, wu, IEEE)
 
-    # Epilogue: bias, then SiLU * up or the residual add, rounding where the unfused path does.
-    n_mask = n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K == 1:
+        _epilogue_body(acc, acc_up, bias_ptr, residual_ptr, out_ptr, m, n, m_mask, N,
+                       stride_rm, stride_om, GATE_UP, ADD_RESIDUAL, HAS_BIAS)
+    else:
+        # Split-K: park this split's fp32 product(s) in the tile's slot of the partials
+        # [SPLIT_K, 2, M_pad, N_pad], then count the split in; the tile's LAST program to
+        # arrive (any split) sums the partials in split order 0, 1, ... (the same sum on
+        # every run, whatever the arrival order) and runs the epilogue.
+        n_pad = tl.num_programs(0) * BLOCK_N
+        plane = tl.num_programs(1) * BLOCK_M * n_pad                         # one [M_pad, N_pad]
+        slot = part_ptr + m[:, None] * n_pad + n[None, :]                    # [BM, BN] ptrs
+        tl.store(slot + (2 * tl.program_id(2)) * plane, acc)
         if GATE_UP:
-            acc_up += tl.load(bias_ptr + N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = _round_product_body(acc, acc_up, dt, GATE_UP)                        # [BM, BN]
-    _store_body(y, out_ptr, residual_ptr, m, n, m_mask[:, None] & n_mask[None, :], stride_rm,
-                stride_om, ADD_RESIDUAL)
+            tl.store(slot + (2 * tl.program_id(2) + 1) * plane, acc_up)
+        # NOTE: the barrier puts every thread's stores before the counter's release (one
+        # thread does the atomic); the last program's loads bypass L1 (.cg).
+        tl.debug_barrier()
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(slot + (2 * s) * plane, cache_modifier=".cg")
+                if GATE_UP:
+                    acc_up += tl.load(slot + (2 * s + 1) * plane, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)        # ready for the next launch (and replay)
+            _epilogue_body(acc, acc_up, bias_ptr, residual_ptr, out_ptr, m, n, m_mask, N,
+                           stride_rm, stride_om, GATE_UP, ADD_RESIDUAL, HAS_BIAS)
 
 
 def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, config):
@@ -202,24 +252,42 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     if gate_up:  # NOTE: two weight tiles in flight per stage: one stage less
         cfg["num_stages"] = max(2, cfg["num_stages"] - 1)
     cfg.update(config or {})
+    grid_n, grid_m = triton.cdiv(N, cfg["block_n"]), triton.cdiv(M, cfg["block_m"])
+    split = cfg.get("split_k")
+    if split is None:
+        split = split_k_for(grid_n * grid_m, K) if SPLIT_K else 1
+        if split > 1:
+            cfg = {**split_launch(cfg, grid_n * grid_m * split, K // split,
+                                  x.element_size(), 2 if gate_up else 1), **(config or {})}
+    if split not in (1, 2, 4, 8) or (split > 1 and K % (split * cfg["block_k"])):
+        raise ValueError(f"{name}: split_k must be 1, 2, 4 or 8 with split_k x block_k "
+                         f"dividing K = {K}, got split_k={split!r}, block_k={cfg['block_k']}")
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     # NOTE: PDL only when BLOCK_K divides K (every model shape). Job D (H200, fp32, M = 5,
     # N = 64) hit "misaligned address" with PDL on, K = 296 and 300, block 32 x 32 x 32, in
     # norm_linear and linear_add alike; PDL off, or block_k 64/128, ran clean. Not understood.
     even_k = K % bk == 0
+    parts = counts = x                                           # unused without a split
+    if split > 1:
+        buffers = _split_buffers(x.device, split * 2 * grid_m * bm * grid_n * bn,
+                                 grid_n * grid_m)
+        if buffers is None:   # a capture found no room: the unsplit kernel, same result
+            split = 1
+        else:
+            parts, counts = buffers
     use_pdl = pdl.use_pdl(x.device) and even_k
     opts = ({} if TRITON_INTERPRET else
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
     opts.update(pdl.launch_kwargs(use_pdl))
     r = residual if residual is not None else out                # unused without the add
-    _small_m_fused_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+    _small_m_fused_kernel[(grid_n, grid_m, split)](
         x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, r, out,
-        M, N, K, float(eps),
+        bias if bias is not None else weight, r, out, parts, counts,
+        M, N, K, K // split, float(eps),
         x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=even_k, PDL=use_pdl, **opts)
+        BLOCK_K=bk, EVEN_K=even_k, SPLIT_K=split, PDL=use_pdl, **opts)
     return out
 
 

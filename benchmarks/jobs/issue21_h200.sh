@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The H200 measurements issue 21 still owes, as parts of at most ~9 minutes each, so a
+# session spends its 30 device minutes in three calls. Committed (not in the gitignored
+# .carry/) so a fresh checkout has it. On this machine, once a session:
+#
+#   mkdir -p .carry && cp -r ../shared/data .carry/ && echo /.carry/ >> .git/info/exclude
+#
+# then, with the device tool: run(command="bash benchmarks/jobs/issue21_h200.sh A",
+# carry=[".carry"], timeout_s=600); the JSON comes back under $OUT (copy it into
+# benchmarks/results/ and set its git_commit: the device copy has no .git).
+#   A  split-K small_m_fused (3-32 rows): GPU tests, the 28-layer chain, TPOT A/B
+#   B  the batch-256 step: DECODE_ONE_LOOP A/B (bench decode, host-bound v2,v1), and
+#      PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
+#   C  the book's GPU figures (chapters 01, 05, 08, 10) at main's defaults
+set -uo pipefail
+part=${1:?part A, B or C}
+export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SM=mrv2.kernels.small_m_fused
+DA=mrv2.kernels.decode_attention
+AT=mrv2.kernels.attention
+py() { python3 "$@" 2>&1 | tee -a "$OUT/log_$part.txt"; }
+case $part in
+A)
+  py -m pytest -q -x tests/test_small_m_split_k.py tests/test_small_m_fused.py
+  py scripts/bench_skinny_fused.py --rows 4,8,16,24,32 --pdl --split-k \
+     --out "$OUT/small_m_split_chain.json"
+  py scripts/bench_processes.py --rounds 3 --out "$OUT/bench_latency_split_processes.json" \
+     --variant default= \
+     --variant split="--set $SM:SPLIT_K=true" \
+     --variant split32="--set $SM:SPLIT_K=true --set $SM:MODEL_MAX_M=32" \
+     -- bench latency --runner v2 --batch-sizes 4,8,16,24,32
+  ;;
+B)
+  py -m pytest -q -x tests/test_kernels_attention.py
+  for v in false true; do
+    MRV2_PDL=0 py scripts/bench_with.py --set "$AT:DECODE_ONE_LOOP=$v" -- bench decode \
+      --batch-sizes 256 --contexts 96,192 --out "$OUT/bench_decode_one-loop-$v.json"
+  done
+  py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_hostbound_one_loop.json" \
+     --variant default= --variant one_loop="--set $AT:DECODE_ONE_LOOP=true" \
+     -- bench throughput --workload host-bound --runner v2,v1
+  py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_latency_prefetch_reqs.json" \
+     --variant reqs8= --variant reqs16="--set $DA:PREFETCH_MAX_REQS=16" \
+     --variant reqs32="--set $DA:PREFETCH_MAX_REQS=32" \
+     -- bench latency --runner v2 --batch-sizes 16,24,32
+  ;;
+C)
+  py scripts/bench_attention.py --out "$OUT/attention_decode.json"
+  py scripts/bench_sampler.py --out "$OUT/sampler.json"
+  py -m mrv2 bench decode --compare-eager --out "$OUT/decode_steps.json"
+  py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
+  py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,32 --out "$OUT/bench_latency.json"
+  ;;
+*) echo "unknown part $part (A, B or C)"; exit 2 ;;
+esac
