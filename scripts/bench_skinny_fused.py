@@ -21,7 +21,7 @@ gate_up, SiLU * up, down) on distinct Qwen3-0.6B-shaped bf16 weights (hidden 102
   ``mrv2.kernels.persistent_layer.layer_tail`` launch a layer (o_proj, gate_up, down and the
   next qkv as stages of one grid, PDL on), also with ``equal_to_fused``.
 
-``--rows 4,8,32`` (3-64 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
+``--rows 4,8,32,256`` (3-256 rows) compares the model's cuBLAS layers (``unfused``: norm kernels,
 ``F.linear``, ``silu_and_mul``) with ``mrv2.kernels.small_m_fused``'s tensor-core ones
 (``fused``, ``fused_pdl``); ``--split-k`` adds them with each tile's K split over several
 programs (``split``, ``split_pdl``: ``small_m_fused.SPLIT_K``'s rule), with
@@ -217,7 +217,7 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
         if m <= skinny_fused.MODEL_MAX_M:
             runners = {"cublas": _unfused(F.linear), "unfused": _unfused(skinny_linear),
                        "fused": _fused}
-        else:  # 3-64 rows: the model's cuBLAS layers vs the tensor-core fused ones
+        else:  # 3-256 rows: the model's cuBLAS layers vs the tensor-core fused ones
             runners = {"unfused": _unfused(F.linear),
                        "fused": _fused_with(small_m_fused.SMALL_M_OPS)}
         fused = runners["fused"]
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
     ap.add_argument("--sweep", action="store_true", help="also each kernel alone, every config")
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--rows", default="1,2", help="chain rows, comma-separated (3-64: "
+    ap.add_argument("--rows", default="1,2", help="chain rows, comma-separated (3-256: "
                     "small_m_fused's tensor-core layers against cuBLAS's)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the fused chain launched with programmatic dependent launch")
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stream-sweep", action="store_true",
                     help="the stream chain per kernel kind over (block_n, num_warps)")
     ap.add_argument("--split-k", action="store_true", help="also small_m_fused's chain "
-                    "(3-64 rows) with its K split (SPLIT_K's rule), PDL off and on")
+                    "(3-256 rows) with its K split (SPLIT_K's rule), PDL off and on")
     ap.add_argument("--persistent", action="store_true", help="also the chain as one "
                     "persistent launch a layer (mrv2.kernels.persistent_layer, PDL on)")
     ap.add_argument("--persistent-sweep", action="store_true",

@@ -1,8 +1,8 @@
-"""The tensor-core fused decode GEMMs (3-64 rows) against skinny_fused's torch references,
+"""The tensor-core fused decode GEMMs (3-256 rows) against skinny_fused's torch references,
 and the model's decode path through them against its unfused path.
 
 Under the interpreter in fp32: ragged shapes (N not a multiple of the column block, K not a
-multiple of the K step), 0 / 3 / 17 / 64 rows (one and several row blocks), bias on/off,
+multiple of the K step), 0 / 3 / 17 / 64 / 150 rows (one and several row blocks), bias on/off,
 launch overrides, the in-place add into a strided view, the PDL path (prefetched first tile,
 peeled first step) bitwise equal to the plain one; then the embedded Qwen3 with the path
 forced on vs off (logits and greedy tokens). bf16 at the Qwen3-0.6B shapes on the GPU.
@@ -29,7 +29,7 @@ from mrv2.models import qwen3
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
 CASES = [(3, 40, 96, False), (17, 24, 200, True), (64, 17, 64, True), (5, 64, 300, False),
-         (0, 24, 64, True)]
+         (0, 24, 64, True), (150, 24, 64, True)]
 OVERRIDES = ({}, {"block_m": 16, "block_n": 16, "block_k": 64},
              {"block_m": 32, "block_n": 32, "block_k": 32})
 
@@ -77,8 +77,8 @@ def test_norm_gate_up_silu_matches_reference(M, N, K, bias):
 
 def test_bad_input_raises_before_work():
     x, nw, w, _ = _inputs(4, 32, 64, True, seed=3)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        small_m_norm_linear(torch.randn(65, 64, device=DEVICE), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        small_m_norm_linear(torch.randn(257, 64, device=DEVICE), nw, 1e-6, w)
     with pytest.raises(ValueError, match="norm_weight"):
         small_m_norm_linear(x, nw[:10], 1e-6, w)
     with pytest.raises(ValueError, match="even"):

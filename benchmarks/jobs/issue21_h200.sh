@@ -24,7 +24,7 @@ case $part in
 A)
   py -m pytest -q -x tests/test_small_m_split_k.py tests/test_small_m_fused.py
   MRV2_SMALL_M_SPLIT_K=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
-  py scripts/bench_skinny_fused.py --rows 4,8,16,24,32,64 --pdl --split-k \
+  py scripts/bench_skinny_fused.py --rows 4,8,16,24,32,64,128,256 --pdl --split-k \
      --out "$OUT/small_m_split_chain.json"
   py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_latency_split_processes.json" \
      --variant default= \

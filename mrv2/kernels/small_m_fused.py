@@ -1,4 +1,4 @@
-"""The decode layer's fused GEMMs for 3 to 64 rows, on tensor cores (``small_m_gemm``'s stream).
+"""The decode layer's fused GEMMs for 3 to 256 rows, on tensor cores (``small_m_gemm``'s stream).
 
 ``skinny_fused`` runs a decode layer as four weight streams with RMSNorm, the residual adds
 and SiLU * up folded in, but only for 1-2 rows: it multiplies on CUDA cores, re-reading each
@@ -39,7 +39,9 @@ batch  off (ms)  on (ms)
 
 At 32 rows it loses (the 28-layer GEMM chain, ``scripts/bench_skinny_fused.py --rows``: 1,013
 us with PDL against cuBLAS's 873; at 4 and 8 rows 732 and 718 against 951 and 838), so from 17
-rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 64 rows.
+rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 256 rows (blocks of at
+most 64; beyond 64 rows unmeasured: ``scripts/bench_skinny_fused.py --rows 128,256``
+puts it against cuBLAS for the batch-256 step).
 
 NOTE: ``skinny_stream``'s lesson (each program's whole weight slice loaded before the PDL
 wait) lost here (session 16, commit 131a7ef, reverted): a kernel holding its W^T slice as up
@@ -64,12 +66,19 @@ from mrv2.kernels import pdl, skinny_fused
 from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
-from mrv2.kernels.small_m_gemm import MAX_M
+from mrv2.kernels.small_m_gemm import MAX_M as _SMALL_M_MAX
 from mrv2.kernels.small_m_gemm import _launch as _small_m_launch
 from mrv2.kernels.split_k import split_buffers as _split_buffers
 from mrv2.kernels.split_k import split_k_for, split_launch
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
+#: The most rows a call takes (row blocks of at most 64: ``small_m_gemm._launch``).
+MAX_M = 256
+#: The launch beyond ``small_m_gemm``'s 64 rows (its planner streams one column block of W
+#: per SM): square 64 x 64 tiles, wgmma-sized, three of them an SM (64 KB of stages each).
+#: PROVISIONAL, unmeasured: the chain bench at 128 / 256 rows is its first test.
+LARGE_M_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4,
+                  "num_stages": 4}
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
 MODEL_MIN_M = skinny_fused.MODEL_MAX_M + 1
 #: The most rows the model sends here: at 32 cuBLAS wins (job AB, above).
@@ -248,7 +257,8 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     M, K = x.shape
     if M == 0 or N == 0:
         return out
-    cfg = _small_m_launch(M, N, K, x.element_size())
+    cfg = (_small_m_launch(M, N, K, x.element_size()) if M <= _SMALL_M_MAX
+           else dict(LARGE_M_LAUNCH))
     if gate_up:  # NOTE: two weight tiles in flight per stage: one stage less
         cfg["num_stages"] = max(2, cfg["num_stages"] - 1)
     cfg.update(config or {})
@@ -294,10 +304,10 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
 def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                         config: dict | None = None) -> torch.Tensor:
-    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` for <= 64 rows, one stream.
+    """``F.linear(rms_norm(x, norm_weight, eps), weight, bias)`` for <= 256 rows.
 
     Args:
-        x: ``[M, K]`` the residual stream (M <= 64), last dim contiguous.
+        x: ``[M, K]`` the residual stream (M <= 256), last dim contiguous.
         norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
         weight: ``[N, K]``, last dim contiguous, x's dtype; bias: optional ``[N]``.
         config: launch overrides (``block_m``, ``block_n``, ``block_k``, ``num_warps``,
@@ -316,10 +326,10 @@ def small_m_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
 def small_m_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                        bias: torch.Tensor | None = None, *, config: dict | None = None
                        ) -> torch.Tensor:
-    """``residual += F.linear(x, weight, bias)``, in place, for <= 64 rows, one stream.
+    """``residual += F.linear(x, weight, bias)``, in place, for <= 256 rows.
 
     Args:
-        x: ``[M, K]`` (M <= 64), last dim contiguous, not sharing memory with residual.
+        x: ``[M, K]`` (M <= 256), last dim contiguous, not sharing memory with residual.
         weight: ``[N, K]``, last dim contiguous; bias: optional ``[N]``.
         residual: ``[M, N]`` in x's dtype, last dim contiguous: overwritten with the sum.
         config: launch overrides.
@@ -336,10 +346,10 @@ def small_m_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Te
 def small_m_norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                               gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
                               *, config: dict | None = None) -> torch.Tensor:
-    """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``, <= 64 rows.
+    """``silu(g) * u`` of ``[g | u] = F.linear(rms_norm(x), gate_up_weight, bias)``, <= 256 rows.
 
     Args:
-        x: ``[M, K]`` the residual stream (M <= 64), last dim contiguous.
+        x: ``[M, K]`` the residual stream (M <= 256), last dim contiguous.
         norm_weight: ``[K]`` the RMSNorm scale; eps: added to the mean square.
         gate_up_weight: ``[2I, K]`` packed (rows ``0..I-1`` gate_proj, ``I..2I-1`` up_proj);
             bias: optional ``[2I]`` packed the same way.
