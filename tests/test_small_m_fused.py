@@ -149,7 +149,7 @@ def test_llm_greedy_small_m_fused_on_equals_off(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="bf16 needs the GPU")
-@pytest.mark.parametrize("M", [4, 32, 64])
+@pytest.mark.parametrize("M", [4, 32, 64, 256])
 def test_gpu_bf16_qwen3_shapes(M):
     """bf16 at the Qwen3-0.6B shapes: within bf16 rounding of the references."""
     kw = {"device": "cuda", "dtype": torch.bfloat16}

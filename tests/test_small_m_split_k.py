@@ -169,7 +169,7 @@ def test_llm_greedy_split_on_equals_off(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="bf16 and CUDA graphs need the GPU")
-@pytest.mark.parametrize("M", [4, 32])
+@pytest.mark.parametrize("M", [4, 32, 128])
 def test_gpu_bf16_split_in_a_cuda_graph(M, monkeypatch):
     """Qwen3-0.6B shapes, bf16, the rule's splits: close to the references, and a captured
     graph replayed twice gives the eager result bitwise (the counters reset themselves)."""
