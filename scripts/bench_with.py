@@ -13,7 +13,9 @@ an edit of the tree between two benches of one job. This sets them, then runs th
 ``--set MODULE:ATTR=JSON`` (repeatable) assigns the JSON value; ``--decode-launch JSON``
 overrides the fused decode attention's launch (``decode_attention.pick_config``) for
 ``lo``-``hi`` requests: ``block_n``, ``num_splits`` (capped at the key tiles, as the table's
-are), and optionally ``num_warps`` / ``num_stages``. Session 14's jobs 14C and 14D ran
+are), and optionally ``num_warps`` / ``num_stages``; ``--paged-launch JSON`` does the same for
+``paged_attention``'s decode launches (``lo``-``hi`` requests; ``block_n``, ``num_splits``,
+``num_warps``, ``num_stages``: the batch-256 step's attention). Session 14's jobs 14C and 14D ran
 through this (their JSON notes say which knobs).
 """
 
@@ -69,6 +71,28 @@ def override_decode_launch(spec: dict) -> None:
     decode_attention.pick_config = pick
 
 
+PAGED_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
+
+
+def override_paged_launch(spec: dict) -> None:
+    """Patch ``attention._pick_config`` for decode launches (``max_query_len`` 1) of
+    ``spec["lo"]``-``spec["hi"]`` requests: any of ``PAGED_KEYS`` (paged attention's large
+    decode batches; the fused kernel's <= 32 go through ``--decode-launch``)."""
+    from mrv2.kernels import attention
+    if not {"lo", "hi"} <= set(spec) or not set(spec) & set(PAGED_KEYS) \
+            or set(spec) - {"lo", "hi", *PAGED_KEYS}:
+        raise ValueError(f"--paged-launch needs lo, hi and some of {list(PAGED_KEYS)}, "
+                         f"got {sorted(spec)}")
+    orig = attention._pick_config
+
+    def pick(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d=128):
+        cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
+        if max_query_len == 1 and spec["lo"] <= num_reqs <= spec["hi"]:
+            cfg.update({k: spec[k] for k in PAGED_KEYS if k in spec})
+        return cfg
+    attention._pick_config = pick
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--" not in argv:
@@ -78,16 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--set", action="append", default=[], metavar="MODULE:ATTR=JSON")
     ap.add_argument("--decode-launch", type=json.loads, default=None, metavar="JSON")
+    ap.add_argument("--paged-launch", type=json.loads, default=None, metavar="JSON")
     args = ap.parse_args(argv[:i])
     try:
         for spec in args.set:
             apply_set(spec)
         if args.decode_launch is not None:
             override_decode_launch(args.decode_launch)
+        if args.paged_launch is not None:
+            override_paged_launch(args.paged_launch)
     except (ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[bench_with] set {args.set}, decode launch {args.decode_launch}", flush=True)
+    print(f"[bench_with] set {args.set}, decode launch {args.decode_launch}, paged launch "
+          f"{args.paged_launch}", flush=True)
     from mrv2.cli import main as cli_main
     return cli_main(argv[i + 1:])
 

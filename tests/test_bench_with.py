@@ -5,7 +5,7 @@ decode-launch override on the real ``pick_config``."""
 import pytest
 from script_loader import load_script
 
-from mrv2.kernels import decode_attention
+from mrv2.kernels import attention, decode_attention
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,22 @@ def test_decode_launch_override_only_in_its_range(bw, monkeypatch):
             assert got == cfg
     with pytest.raises(ValueError, match="block_n"):
         bw.override_decode_launch({"lo": 1, "hi": 2, "num_splits": 2})
+
+
+def test_paged_launch_override_only_decode_launches_in_its_range(bw, monkeypatch):
+    monkeypatch.setattr(attention, "_pick_config", attention._pick_config)
+    args = [(n, 8, 2, q, 160) for n in (32, 33, 256) for q in (1, 4)]
+    before = {a: attention._pick_config(*a) for a in args}
+    bw.override_paged_launch({"lo": 33, "hi": 512, "block_n": 32, "num_warps": 4})
+    for a, cfg in before.items():
+        got = attention._pick_config(*a)
+        if a[0] >= 33 and a[3] == 1:
+            assert got == {**cfg, "block_n": 32, "num_warps": 4}
+        else:
+            assert got == cfg                                  # prefills, small batches
+    for bad in ({"lo": 1, "block_n": 32}, {"lo": 1, "hi": 2}, {"lo": 1, "hi": 2, "bn": 3}):
+        with pytest.raises(ValueError, match="--paged-launch needs"):
+            bw.override_paged_launch(bad)
 
 
 def test_main_needs_the_command_after_a_double_dash(bw, capsys):

@@ -9,11 +9,13 @@
 # carry=[".carry"], timeout_s=600); the JSON comes back under $OUT (copy it into
 # benchmarks/results/ and set its git_commit: the device copy has no .git).
 #   A  split-K small_m_fused (3-32 rows): GPU tests, the 28-layer chain, TPOT A/B
-#   B  the batch-256 step: DECODE_ONE_LOOP A/B (bench decode, host-bound v2,v1), and
-#      PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
+#   B  the batch-256 step's attention: DECODE_ONE_LOOP (bench decode b256, PDL off), and
+#      host-bound v2,v1 default / one loop / paged launch of 32 keys x 4 warps (94 registers,
+#      5 programs an SM offline, against 242 and 4)
 #   C  the book's GPU figures (chapters 01, 05, 08, 10) at main's defaults
+#   D  (if time is left) PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
 set -uo pipefail
-part=${1:?part A, B or C}
+part=${1:?part A, B, C or D}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -38,9 +40,12 @@ B)
     MRV2_PDL=0 py scripts/bench_with.py --set "$AT:DECODE_ONE_LOOP=$v" -- bench decode \
       --batch-sizes 256 --contexts 96,192 --out "$OUT/bench_decode_one-loop-$v.json"
   done
-  py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_hostbound_one_loop.json" \
+  py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_hostbound_attention.json" \
      --variant default= --variant one_loop="--set $AT:DECODE_ONE_LOOP=true" \
+     --variant bn32w4="--paged-launch '{\"lo\": 33, \"hi\": 1024, \"block_n\": 32, \"num_warps\": 4}'" \
      -- bench throughput --workload host-bound --runner v2,v1
+  ;;
+D)
   py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_latency_prefetch_reqs.json" \
      --variant reqs8= --variant reqs16="--set $DA:PREFETCH_MAX_REQS=16" \
      --variant reqs32="--set $DA:PREFETCH_MAX_REQS=32" \
@@ -53,5 +58,5 @@ C)
   py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
   py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,32 --out "$OUT/bench_latency.json"
   ;;
-*) echo "unknown part $part (A, B or C)"; exit 2 ;;
+*) echo "unknown part $part (A, B, C or D)"; exit 2 ;;
 esac
