@@ -134,6 +134,12 @@ class ModelRunner(RunnerInterface):
                 dims.num_heads, dims.num_kv_heads, dims.head_dim, self.max_num_reqs,
                 self.max_model_len, max_query_len=1, min_num_reqs=attention.ORDER_MIN_REQS),
                 ordered=True)
+        from mrv2.kernels import decode_heads
+        if decode_heads.ENABLED and self.max_num_reqs >= decode_heads.MIN_REQS:
+            from mrv2.kernels.attention_warmup import precompile_decode_heads
+            n += precompile_decode_heads(
+                self.kv_caches[0], dims.num_heads, width,
+                ordered=attention.may_order(self.max_num_reqs, self.max_model_len))
         if decode_attention.ENABLED:  # the decode steps' fused RoPE + attention kernel
             from mrv2.kernels.attention_warmup import precompile_decode_rope
             from mrv2.models.qwen3 import rope_inputs

@@ -177,6 +177,30 @@ def gemm_launches(rows_list: list[int]) -> list[tuple[str, dict, object]]:
     return out
 
 
+def heads_launches(heads_list: list[int], variants: list[dict]) -> list[tuple[str, dict, object]]:
+    """``decode_heads``' launch at batch 256 (Qwen3-0.6B, bf16, 96 keys) for each heads a
+    program, at ``LAUNCH`` and with each of ``variants`` (block_n / num_warps / num_stages)."""
+    from mrv2.kernels import decode_heads
+    fn = decode_heads._decode_heads_kernel
+    cap = _Capture(fn)
+    decode_heads._decode_heads_kernel = cap
+    out = []
+    try:
+        bf = torch.bfloat16
+        kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
+        q = torch.randn(256, 16, 128, dtype=bf)
+        md = _decode_md(256, 96, 160, 10)
+        for heads in heads_list:
+            for v in [{}, *(x for x in variants if set(x) <= set(decode_heads.LAUNCH))]:
+                decode_heads.decode_heads_attention(q, kv, md, 128 ** -0.5, torch.zeros_like(q),
+                                                    heads=heads, config=v)
+                out.append((f"decode_heads b256 heads{heads}",
+                            {**decode_heads.LAUNCH, **v, "heads": heads}, cap.calls[-1]))
+    finally:
+        decode_heads._decode_heads_kernel = fn
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns (and writes, with ``--out``) one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,6 +212,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--gemm-rows", default="",
                     help="also small_m_fused's four GEMMs at these rows (e.g. 4,8,16,32), "
                          "unsplit and split (SPLIT_K's rule)")
+    ap.add_argument("--heads", default="",
+                    help="also decode_heads' batch-256 launch at these KV heads a program "
+                         "(e.g. 2,4,8), with the --variants that set its launch knobs")
     ap.add_argument("--out", default=None, help="JSON of the rows")
     ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
     args = ap.parse_args(argv)
@@ -200,6 +227,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     todo = launches([int(b) for b in args.batches.split(",") if b], args.variants)
     if args.gemm_rows:
         todo += gemm_launches([int(r) for r in args.gemm_rows.split(",")])
+    if args.heads:
+        todo += heads_launches([int(h) for h in args.heads.split(",")], args.variants)
     for i, (label, cfg, (grid, a, kw)) in enumerate(todo):
         kernel = _compile(_fn_of(label), a, kw)
         regs, spill = _ptxas(kernel, ptx_dir / f"launch_{i}")
@@ -216,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         short = {k: v for k, v in cfg.items() if k in ("num_splits", "block_n", "num_warps",
                                                         "num_stages", "prefetch",
                                                         "decode_one_loop", "split_k",
-                                                        "block_k")}
+                                                        "block_k", "heads")}
         print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
               f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
               f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")
@@ -226,6 +255,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _fn_of(label: str):
+    if label.startswith("decode_heads"):
+        from mrv2.kernels import decode_heads
+        return decode_heads._decode_heads_kernel
     if label.startswith("small_m_fused"):
         from mrv2.kernels import small_m_fused
         return small_m_fused._small_m_fused_kernel

@@ -170,3 +170,31 @@ def test_precompile_launches_the_ordered_variant(monkeypatch):
     variants = launch_variants(4, 2, 32, 2, 64, max_query_len=1)[:1]
     assert precompile(kv_cache, 4, 3, variants, ordered=True) == 1
     assert seen == [[0]]
+
+
+def test_runner_precompiles_decode_heads_when_on(monkeypatch):
+    """With MRV2_DECODE_HEADS on and batches reaching its request floor, the warm-up launches
+    its kernel too (plain; with the order as well where large batches take one)."""
+    from mrv2 import LLM
+    from mrv2.kernels import attention_warmup, decode_attention, decode_heads
+
+    llm = LLM(max_model_len=64, max_num_seqs=4, dtype="float32", enforce_eager=True)
+    monkeypatch.setattr(attention_warmup, "precompile", lambda *a, **k: 5)
+    monkeypatch.setattr(decode_attention, "ENABLED", False)
+    monkeypatch.setattr(decode_heads, "MIN_REQS", 4)
+    launched = []
+    real = decode_heads.decode_heads_attention
+    monkeypatch.setattr(decode_heads, "decode_heads_attention",
+                        lambda q, kv, md, *a, **k: launched.append(md.req_order is None)
+                        or real(q, kv, md, *a, **k))
+    monkeypatch.setattr(decode_heads, "ENABLED", False)
+    assert llm.runner.precompile_attention() == 5 and not launched
+    monkeypatch.setattr(decode_heads, "ENABLED", True)
+    assert llm.runner.precompile_attention() == 6 and launched == [True]
+    monkeypatch.setattr(attention, "may_order", lambda n, s: True)
+    # the ordered paged variants (5 more), then decode_heads plain and ordered
+    assert llm.runner.precompile_attention() == 5 + 5 + 2 and launched[1:] == [True, False]
+    monkeypatch.setattr(decode_heads, "MIN_REQS", 5)                # beyond max_num_seqs
+    launched.clear()
+    llm.runner.precompile_attention()
+    assert not launched

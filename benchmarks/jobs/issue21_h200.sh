@@ -9,9 +9,10 @@
 # carry=[".carry"], timeout_s=600); the JSON comes back under $OUT (copy it into
 # benchmarks/results/ and set its git_commit: the device copy has no .git).
 #   A  split-K small_m_fused (3-32 rows): GPU tests, the 28-layer chain, TPOT A/B
-#   B  the batch-256 step's attention: DECODE_ONE_LOOP (bench decode b256, PDL off), and
-#      host-bound v2,v1 default / one loop / paged launch of 32 keys x 4 warps (94 registers,
-#      5 programs an SM offline, against 242 and 4)
+#   B  the batch-256 step's attention (bench decode b256 at 96 keys, the host-bound mean):
+#      default / DECODE_ONE_LOOP / decode_heads 8 and 2 KV heads a program / paged launch of
+#      32 keys x 4 warps (94 registers, 5 programs an SM offline, against 242 and 4); then
+#      host-bound v2,v1 default vs decode_heads (swap in B's winner)
 #   C  the book's GPU figures (chapters 01, 05, 08, 10) at main's defaults
 #   D  (if time is left) PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
 set -uo pipefail
@@ -35,14 +36,17 @@ A)
      -- bench latency --runner v2 --batch-sizes 4,8,16,24,32
   ;;
 B)
-  py -m pytest -q -x tests/test_kernels_attention.py
-  for v in false true; do
-    MRV2_PDL=0 py scripts/bench_with.py --set "$AT:DECODE_ONE_LOOP=$v" -- bench decode \
-      --batch-sizes 256 --contexts 96,192 --out "$OUT/bench_decode_one-loop-$v.json"
+  py -m pytest -q -x tests/test_kernels_attention.py tests/test_decode_heads.py
+  DH=mrv2.kernels.decode_heads
+  for v in "default=" "one-loop=--set $AT:DECODE_ONE_LOOP=true" \
+           "heads8=--set $DH:ENABLED=true" "heads2=--set $DH:ENABLED=true --set $DH:HEADS=2" \
+           "bn32w4=--paged-launch {\"lo\":33,\"hi\":1024,\"block_n\":32,\"num_warps\":4}"; do
+    name=${v%%=*}; args=${v#*=}
+    py scripts/bench_with.py $args -- bench decode --batch-sizes 256 --contexts 96 \
+      --max-model-len 256 --out "$OUT/bench_decode_b256_$name.json"
   done
   py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_hostbound_attention.json" \
-     --variant default= --variant one_loop="--set $AT:DECODE_ONE_LOOP=true" \
-     --variant bn32w4="--paged-launch '{\"lo\": 33, \"hi\": 1024, \"block_n\": 32, \"num_warps\": 4}'" \
+     --variant default= --variant heads8="--set $DH:ENABLED=true" \
      -- bench throughput --workload host-bound --runner v2,v1
   ;;
 D)

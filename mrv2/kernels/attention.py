@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import pdl
+from mrv2.kernels import decode_heads, pdl
 from mrv2.kernels.attention_table import (
     choose_decode_config,
     heuristic_decode_config,
@@ -433,6 +433,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
     num_reqs = md.num_reqs
     if num_tokens == 0 or num_reqs == 0 or md.max_query_len <= 0:
         return out
+    if decode_heads.use_decode_heads(md, num_splits, config):  # opt-in: MRV2_DECODE_HEADS=1
+        return decode_heads.decode_heads_attention(q, kv_cache, md, scale, out)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))

@@ -154,3 +154,22 @@ def precompile_decode_rope(kv_cache: torch.Tensor, num_heads: int, block_table_w
             qkv, positions, cos_sin_cache, norm_weight, norm_weight, 1e-6, kv_cache, md,
             head_dim ** -0.5, num_heads, num_kv_heads, config=cfg)
     return len(variants)
+
+
+def precompile_decode_heads(kv_cache: torch.Tensor, num_heads: int, block_table_width: int,
+                            dtype: torch.dtype | None = None, ordered: bool = False) -> int:
+    """Launch ``decode_heads.decode_heads_attention`` on a one-token dummy (its one launch a
+    model, ``MRV2_DECODE_HEADS=1``), and with a request order too when ``ordered``.
+
+    Returns:
+        How many launches were made.
+    """
+    from mrv2.kernels import decode_heads
+    device, head_dim = kv_cache.device, kv_cache.shape[-1]
+    md = _dummy_metadata(device, block_table_width)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype or kv_cache.dtype, device=device)
+    mds = [md] + ([dataclasses.replace(md, req_order=attention.request_order(md.seq_lens))]
+                  if ordered else [])
+    for m in mds:
+        decode_heads.decode_heads_attention(q, kv_cache, m, head_dim ** -0.5, torch.empty_like(q))
+    return len(mds)
