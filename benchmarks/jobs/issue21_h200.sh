@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 measurements issue 21 still owes, as parts of at most ~9 minutes each, so a
-# session spends its 30 device minutes in three calls. Committed (not in the gitignored
+# session spends its 30 device minutes in three or four calls: A, B, then E or C. Committed (not in the gitignored
 # .carry/) so a fresh checkout has it. On this machine, once a session:
 #
 #   mkdir -p .carry && cp -r ../shared/data .carry/ && echo /.carry/ >> .git/info/exclude
@@ -15,8 +15,10 @@
 #      host-bound v2,v1 default vs decode_heads (swap in B's winner)
 #   C  the book's GPU figures (chapters 01, 05, 08, 10) at main's defaults
 #   D  (if time is left) PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
+#   E  host-bound v2,v1 with the fused layers (4 kernels a layer) for 17-256 rows, split or
+#      not (take it after A's chain at 128 / 256 rows says they are near cuBLAS)
 set -uo pipefail
-part=${1:?part A, B, C or D}
+part=${1:?part A, B, C, D or E}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -62,5 +64,11 @@ C)
   py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
   py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,32 --out "$OUT/bench_latency.json"
   ;;
-*) echo "unknown part $part (A, B, C or D)"; exit 2 ;;
+E)
+  py scripts/bench_processes.py --rounds 2 --out "$OUT/bench_hostbound_fused_layers.json" \
+     --variant default= --variant fused256="--set $SM:MODEL_MAX_M=256" \
+     --variant fused256split="--set $SM:MODEL_MAX_M=256 --set $SM:SPLIT_K=true" \
+     -- bench throughput --workload host-bound --runner v2,v1
+  ;;
+*) echo "unknown part $part (A-E)"; exit 2 ;;
 esac
