@@ -98,6 +98,8 @@ def test_paged_attention_routes_only_large_plain_decode_launches(monkeypatch):
     paged_attention(q2, kv2, md2, 0.25)
     q3, kv3, md3 = make_batch([(3, 1), (0, 5), (9, 1)], 4, 2, 16)   # a prefill in the step
     paged_attention(q3, kv3, md3, 0.25)
+    long_md = dataclasses.replace(md, max_seq_len=decode_heads.MAX_SEQ_LEN + 1)
+    paged_attention(q, kv_cache, long_md, 0.25)                     # contexts may be long
     assert calls == [4]
     monkeypatch.setattr(decode_heads, "ENABLED", False)
     paged_attention(q, kv_cache, md, 0.25)

@@ -19,9 +19,9 @@ Numerics are ``paged_attention``'s for a decode token: fp32 scores and sums, P r
 V's dtype before P @ V, the output rounded once.
 
 OFF until measured (``MRV2_DECODE_HEADS=1``; ``HEADS`` 8 / 4 / 2 through
-``scripts/bench_with.py --set mrv2.kernels.decode_heads:HEADS=4``): with 8 heads a long
-request's program is 8 times longer, which the standard workload's 110-2,000-key mix may
-pay for at its tail (``longest_first``'s order is kept).
+``scripts/bench_with.py --set mrv2.kernels.decode_heads:HEADS=4``), and only for contexts up
+to ``MAX_SEQ_LEN``: with 8 heads a long request's program is 8 times longer, which a mix of
+long contexts (the standard workload's 110-2,000 keys) would pay for at its tail.
 """
 
 from __future__ import annotations
@@ -40,8 +40,13 @@ _LOG2E = 1.4426950408889634
 #: Off unless ``MRV2_DECODE_HEADS=1`` (tests turn it on in the interpreter).
 ENABLED: bool = env_switch("MRV2_DECODE_HEADS", False)
 #: Decode launches of at least this many requests take it (up to 32 the model runs the
-#: fused ``decode_attention`` kernel instead).
+#: fused ``decode_attention`` kernel instead) ...
 MIN_REQS = 33
+#: ... whose contexts are bounded by this many keys (``max_seq_len``: in a CUDA graph the
+#: model's length). The fixed part of a program is what this saves, a large share only of
+#: short programs; at long, mixed contexts one program a request would end the launch with
+#: a few long programs (the 8-times-longer tail above), so they keep ``paged_attention``.
+MAX_SEQ_LEN = 512
 #: KV heads a program walks (the largest power of two dividing the model's KV heads, up to
 #: this), its key tile, warps and pipeline depth: PROVISIONAL, unmeasured.
 HEADS = 8
@@ -51,9 +56,10 @@ LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 def use_decode_heads(md: AttentionMetadata, num_splits: int | None = None,
                      config: dict | None = None) -> bool:
     """Whether ``paged_attention`` hands this launch here: on, a decode launch of at least
-    ``MIN_REQS`` requests, no split or launch override asked for. Host ints only."""
+    ``MIN_REQS`` requests up to ``MAX_SEQ_LEN`` keys, no split or launch override asked
+    for. Host ints only."""
     return (ENABLED and md.max_query_len == 1 and md.num_reqs >= MIN_REQS
-            and num_splits is None and not config)
+            and md.max_seq_len <= MAX_SEQ_LEN and num_splits is None and not config)
 
 
 def heads_per_program(num_kv_heads: int, heads: int | None = None) -> int:
