@@ -39,6 +39,7 @@ from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import (
     attention,
     decode_attention,
+    decode_heads,
     pdl,
     rotary,
     skinny_fused,
@@ -51,7 +52,8 @@ KERNELS = ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_ke
            (rotary, "_qk_norm_rope_kernel"), (skinny_fused, "_skinny_fused_kernel"),
            (skinny_stream, "_skinny_stream_kernel"),
            (small_m_fused, "_small_m_fused_kernel"),
-           (decode_attention, "_decode_rope_attention_kernel"))
+           (decode_attention, "_decode_rope_attention_kernel"),
+           (decode_heads, "_decode_heads_kernel"))
 
 
 class _Capture:
@@ -107,6 +109,18 @@ def _gemm_launches(rows: int, ops) -> None:
     linear_add(torch.randn(rows, 3072, dtype=bf), torch.randn(1024, 3072, dtype=bf), h)
 
 
+def _decode_heads_launch(reqs: int) -> None:
+    """decode_heads' launch (its decode steps of 33+ requests) at ~100 keys."""
+    bf = torch.bfloat16
+    q = torch.randn(reqs, 16, 128, dtype=bf)
+    kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
+    md = AttentionMetadata(torch.arange(reqs + 1, dtype=torch.int32),
+                           torch.full((reqs,), 100, dtype=torch.int32),
+                           torch.zeros(reqs, 16, dtype=torch.int32),
+                           torch.arange(reqs, dtype=torch.int64) * 16, 1, 256)
+    decode_heads.decode_heads_attention(q, kv, md, 128 ** -0.5, torch.zeros_like(q))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         _decode_launches(rows)
     for rows in (4, 32):
         _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
+    _decode_heads_launch(64)
     ptxas = triton.knobs.nvidia.ptxas.path                 # the ptxas this Triton compiles with
     rows = []
     for name, cap in caps.items():

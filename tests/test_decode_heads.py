@@ -63,6 +63,20 @@ def test_a_request_order_changes_no_result():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_takes_the_pdl_flag_and_gives_the_same_result(monkeypatch):
+    from test_pdl import _SpyAll
+
+    from mrv2.kernels import pdl
+    spy = _SpyAll(monkeypatch, (decode_heads, "_decode_heads_kernel"))
+    q, kv_cache, md = make_batch(REQS, 4, 2, 16, seed=5)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "use_pdl", lambda device, on=on: on)
+        outs[on] = decode_heads_attention(q, kv_cache, md, 0.25, torch.zeros_like(q))
+    assert spy.pdl == [("_decode_heads_kernel", False), ("_decode_heads_kernel", True)]
+    assert torch.equal(outs[False], outs[True])
+
+
 def test_heads_per_program_rule():
     assert heads_per_program(8) == decode_heads.HEADS == 8
     assert heads_per_program(8, 4) == 4 and heads_per_program(6) == 2
