@@ -73,3 +73,16 @@ def generate_without_sync(llm, prompts, params):
         torch.cuda.set_sync_debug_mode(0)
     assert_finished_cleanly(outs)
     return outs
+
+
+def qwen3_layer_weights(g, **kw):
+    """One Qwen3-0.6B decoder layer's fused-GEMM weights, drawn from generator ``g`` (``kw``:
+    device and dtype): ``(norm weight [1024], qkv [4096, 1024], o_proj [1024, 2048],
+    gate_up [6144, 1024], down [1024, 3072])``, scaled like a trained layer's."""
+    import torch
+
+    return (1 + 0.1 * torch.randn(1024, generator=g, **kw),
+            torch.randn(4096, 1024, generator=g, **kw) * 0.05,
+            torch.randn(1024, 2048, generator=g, **kw) * 0.05,
+            torch.randn(6144, 1024, generator=g, **kw) * 0.05,
+            torch.randn(1024, 3072, generator=g, **kw) * 0.05)

@@ -10,6 +10,7 @@ forced on vs off (logits and greedy tokens). bf16 at the Qwen3-0.6B shapes on th
 
 import pytest
 import torch
+from device_utils import qwen3_layer_weights
 from test_skinny_fused import TOL, _inputs  # the fused kernels' inputs and tolerance
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
@@ -155,10 +156,7 @@ def test_gpu_bf16_qwen3_shapes(M):
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, 1024, generator=g, **kw)
-    nw = 1 + 0.1 * torch.randn(1024, generator=g, **kw)
-    qkv = torch.randn(4096, 1024, generator=g, **kw) * 0.05
-    gate_up = torch.randn(6144, 1024, generator=g, **kw) * 0.05
-    down = torch.randn(1024, 3072, generator=g, **kw) * 0.05
+    nw, qkv, _, gate_up, down = qwen3_layer_weights(g, **kw)
     tol = {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, qkv),
                                skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
@@ -177,11 +175,7 @@ def test_gpu_chain_in_a_cuda_graph_pdl_on_equals_off(M, monkeypatch):
     (the default on Hopper) bitwise what they give without it."""
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
-    ws = [(1 + 0.1 * torch.randn(1024, generator=g, **kw),
-           torch.randn(4096, 1024, generator=g, **kw) * 0.05,
-           torch.randn(1024, 2048, generator=g, **kw) * 0.05,
-           torch.randn(6144, 1024, generator=g, **kw) * 0.05,
-           torch.randn(1024, 3072, generator=g, **kw) * 0.05) for _ in range(2)]
+    ws = [qwen3_layer_weights(g, **kw) for _ in range(2)]
     h0 = torch.randn(M, 1024, generator=g, **kw)
 
     def chain(h):

@@ -11,6 +11,7 @@ replayed twice, on the GPU.
 
 import pytest
 import torch
+from device_utils import qwen3_layer_weights
 from test_skinny_fused import TOL, _inputs  # the fused kernels' inputs and tolerance
 from test_small_m_fused import _llm_tokens
 
@@ -176,11 +177,7 @@ def test_gpu_bf16_split_in_a_cuda_graph(M, monkeypatch):
     monkeypatch.setattr(small_m_fused, "SPLIT_K", True)
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
-    nw = 1 + 0.1 * torch.randn(1024, generator=g, **kw)
-    qkv = torch.randn(4096, 1024, generator=g, **kw) * 0.05
-    o = torch.randn(1024, 2048, generator=g, **kw) * 0.05
-    gate_up = torch.randn(6144, 1024, generator=g, **kw) * 0.05
-    down = torch.randn(1024, 3072, generator=g, **kw) * 0.05
+    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
     h0 = torch.randn(M, 1024, generator=g, **kw)
     tol = {"rtol": 2e-2, "atol": 2e-2}
     q = small_m_norm_linear(h0, nw, 1e-6, qkv)
