@@ -135,6 +135,24 @@ def test_switch_on_takes_the_rule(monkeypatch):
     assert not launched
 
 
+def test_rule_beyond_64_rows_matches_reference(monkeypatch):
+    # 130 rows take the 64 x 64 tiles (LARGE_M_LAUNCH), re-planned for the rule's split.
+    monkeypatch.setattr(small_m_fused, "SPLIT_K", True)
+    splits = []
+    orig = small_m_fused.split_k_for
+    monkeypatch.setattr(small_m_fused, "split_k_for", lambda *a: splits.append(orig(*a)) or splits[-1])
+    x, nw, w, b = _inputs(130, 40, 1024, True, seed=8, rows=2)
+    torch.testing.assert_close(small_m_norm_gate_up_silu(x, nw, 1e-6, w, b),
+                               skinny_norm_gate_up_silu_ref(x, nw, 1e-6, w, b), **TOL)
+    x2, _, w2, b2 = _inputs(130, 40, 1024, True, seed=9)
+    residual = torch.randn(130, 40, generator=torch.Generator().manual_seed(2)).to(x.device)
+    r = residual.clone()
+    small_m_linear_add(x2, w2, r, b2)
+    torch.testing.assert_close(r, skinny_linear_add_ref(x2, w2, residual.clone(), b2), **TOL)
+    assert splits == [8, 8]                                  # 3 tiles: the most splits
+    _counters_zero()
+
+
 def test_buffers_grow_and_keep_the_old_ones(monkeypatch):
     monkeypatch.setattr(split_k, "_BUFFERS", {})
     dev = torch.device(DEVICE)
