@@ -174,7 +174,14 @@ def _small_m_fused_kernel(
     # grid (column blocks, row blocks, SPLIT_K).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BN]
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)                   # [BM]
-    k_lo = tl.program_id(2) * k_per                                          # this split's K
+    # This program's K range; unsplit, the constant 0..K (as before the split existed: the
+    # compiler folds the peeled first step's offsets into constants).
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_end = K
+    else:
+        k_lo = tl.program_id(2) * k_per
+        k_end = k_lo + k_per
     kk = tl.arange(0, BLOCK_K)                                               # [BK]
     m_mask = m < M
     # NOTE: the last column block wraps onto real rows of W (n % N): unmasked weight loads.
@@ -211,7 +218,7 @@ def _small_m_fused_kernel(
         if GATE_UP:
             acc_up = _dot_body(acc_up, x, wu0, IEEE)
         k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_lo + k_per, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         x = _x_tile_body(x_ptrs, norm_w_ptr, rstd, k0, K, m_mask, kk, NORM, EVEN_K)
         w, wu = _w_tiles_body(w_ptrs, k0, K, kk, up_off, GATE_UP, EVEN_K)
         acc = _dot_body(acc, x, w, IEEE)                                     # [BM, BN]
