@@ -15,7 +15,7 @@ numbers come from L1 after the first head. A head's output is stored on its last
 the online-softmax state reset for the next. One token per request (decode launches only,
 ``max_query_len == 1``); no splits (large batches have programs enough).
 
-Numerics are ``paged_attention``'s for a decode token: fp32 scores and sums, P rounded to
+Numerics are ``paged_attention``'s (its tile step, ``attention_tile.py``): fp32 scores and sums, P rounded to
 V's dtype before P @ V, the output rounded once.
 
 OFF until measured (``MRV2_DECODE_HEADS=1``; ``HEADS`` 8 / 4 / 2 through
@@ -33,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import pdl
+from mrv2.kernels.attention_tile import _attend_tile_body
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
@@ -103,7 +104,9 @@ def _decode_heads_kernel(
     m = tl.arange(0, BLOCK_M)                                           # [BM] group rows
     d = tl.arange(0, BLOCK_D)                                           # [BD]
     d_ok = d < HEAD_DIM
+    d_off = d * stride_cd                                               # [BD] in the cache
     mask = (m < GROUP)[:, None] & d_ok[None, :]                         # [BM, BD]
+    pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1             # [BM] the token's
     kv_dt = kv_cache_ptr.dtype.element_ty
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -116,22 +119,11 @@ def _decode_heads_kernel(
         head = kh * GROUP + m                                           # [BM] q heads
         q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=mask, other=0.0).to(kv_dt)                     # [BM, BD]
-        n = start + tl.arange(0, BLOCK_N)                               # [BN] key index
-        n_ok = n < seq_len
-        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
-        slot = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
-        k = tl.load(kv_cache_ptr + slot[None, :] + d[:, None] * stride_cd,
-                    mask=d_ok[:, None] & n_ok[None, :], other=0.0)      # [BD, BN]: K^T
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale      # [BM, BN], log2 units
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))                           # [BM]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])                                 # [BM, BN]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_cache_ptr + stride_ckv + slot[:, None] + d[None, :] * stride_cd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)      # [BN, BD]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # paged_attention's tile step: the decode token sees every key below seq_len.
+        acc, m_i, l_i = _attend_tile_body(
+            acc, m_i, l_i, q, start, seq_len, pos, b, kv_cache_ptr, block_table_ptr, qk_scale,
+            kh, d_off, d_ok, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
         # The head's last tile: store its rows, start the next head afresh.
         # NOTE: as a [BM] vector: the interpreter rejects a scalar bool in a store mask.
         last = (tl.zeros([BLOCK_M], dtype=tl.int32) + start + BLOCK_N) >= seq_len  # [BM]

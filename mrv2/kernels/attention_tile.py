@@ -1,0 +1,61 @@
+"""One key tile of paged attention's online softmax, shared by its kernels.
+
+``paged_attention``'s kernel (every step kind) and ``decode_heads``' (large decode batches,
+several KV heads a program) both walk a request's keys a ``BLOCK_N`` tile at a time through
+the block table and fold each tile into a running (max, sum, weighted values) in fp32: this
+is that step, once. See ``mrv2/kernels/attention.py`` for the layout of its arguments.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mrv2.platform import interpreter_body
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
+                 kv_cache_ptr, block_table_ptr, qk_scale, kh0, e_off, e_ok,
+                 stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    # Find the page and offset of each of the BLOCK_N keys through the block table.
+    n = start + tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
+    if MASKED:
+        n_ok = n < seq_end
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE)
+    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh0 * stride_ch
+    k_ptrs = kv_cache_ptr + slot_off[None, :] + e_off[:, None]          # [BLOCK_E, BLOCK_N]
+    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + e_off[None, :]
+
+    # Scores in log2 units (scale * log2(e) folded in), fp32 accumulation.
+    if MASKED:
+        k = tl.load(k_ptrs, mask=e_ok[:, None] & n_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=e_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        # Causal by absolute position, and nothing past this program's key range.
+        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+
+    # Online softmax: rescale the running sums to the new row maximum.
+    m_new = tl.maximum(m_i, tl.max(s, 1))                               # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                     # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # Accumulate P @ V (masked keys load as 0 so stale cache bytes cannot make NaN).
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & e_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=e_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+# NOTE: under the interpreter every call of a @triton.jit helper re-patches
+# triton.language (~1.6 ms a call); the kernel calls the helper's plain Python body there.
+_attend_tile_body = interpreter_body(_attend_tile)
