@@ -30,11 +30,9 @@ from mrv2.kernels.attention_table import (
     heuristic_decode_config,
     load_table,
 )
-from mrv2.kernels.attention_tile import _attend_tile, _attend_tile_body  # noqa: F401 (book)
+from mrv2.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_body  # noqa: F401 (book)
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, env_switch
-
-_LOG2E = 1.4426950408889634
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor,

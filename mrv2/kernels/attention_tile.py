@@ -13,6 +13,9 @@ import triton.language as tl
 
 from mrv2.platform import interpreter_body
 
+#: log2(e): the kernels take scores in log2 units (``qk_scale = scale * _LOG2E``, then exp2).
+_LOG2E = 1.4426950408889634
+
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,

@@ -38,13 +38,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import attention, pdl
+from mrv2.kernels.attention_tile import _LOG2E
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.rotary import qk_norm_rope_ref
 from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 
-_LOG2E = 1.4426950408889634
 #: On a GPU unless ``MRV2_FUSED_ROPE_ATTENTION=0``; never under the interpreter (tests set it).
 ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_FUSED_ROPE_ATTENTION", True))

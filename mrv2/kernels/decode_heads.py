@@ -33,11 +33,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import pdl
-from mrv2.kernels.attention_tile import _attend_tile_body
+from mrv2.kernels.attention_tile import _LOG2E, _attend_tile_body
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
-_LOG2E = 1.4426950408889634
 #: Off unless ``MRV2_DECODE_HEADS=1`` (tests turn it on in the interpreter).
 ENABLED: bool = env_switch("MRV2_DECODE_HEADS", False)
 #: Decode launches of at least this many requests take it (up to 32 the model runs the

@@ -93,6 +93,8 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 #: --split-k``). The launch grid is 64 (o_proj, down: N = 1024 at block_n 16) to 192
 #: programs on 132 SMs, one program an SM at most: the split is how more of them stream.
 SPLIT_K: bool = env_switch("MRV2_SMALL_M_SPLIT_K", False)
+
+
 def use_small_m_fused(x: torch.Tensor) -> bool:
     """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
     return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MODEL_MAX_M
