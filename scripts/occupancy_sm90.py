@@ -27,6 +27,7 @@ not a measurement: it says which launches CAN keep an SM busy, the GPU says whic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -93,17 +94,24 @@ def _decode_md(batch: int, context: int, max_seq_len: int, pages: int) -> Attent
                              torch.arange(batch, dtype=torch.int64) * 16, 1, max_seq_len)
 
 
-def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, object]]:
-    """``(label, launch config, captured call)`` for every launch to compile."""
+@contextlib.contextmanager
+def _captured(module, name: str):
+    """``module.name`` (a kernel) replaced by a ``_Capture`` for the block, then put back."""
+    cap = _Capture(getattr(module, name))
+    setattr(module, name, cap)
+    try:
+        yield cap
+    finally:
+        setattr(module, name, cap.fn)
+
+
+def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, object, tuple]]:
+    """``(label, launch config, kernel, captured call)`` for every decode attention launch."""
     bf = torch.bfloat16
     out = []
-    fused = _Capture(decode_attention._decode_rope_attention_kernel)
-    paged = _Capture(attention._paged_attention_kernel)
-    merge = attention._merge_splits_kernel
-    decode_attention._decode_rope_attention_kernel = fused
-    attention._paged_attention_kernel = paged
-    attention._merge_splits_kernel = _Capture(merge)           # launched, not compiled here
-    try:
+    with _captured(decode_attention, "_decode_rope_attention_kernel") as fused, \
+            _captured(attention, "_paged_attention_kernel") as paged, \
+            _captured(attention, "_merge_splits_kernel"):         # launched, not compiled here
         kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
         for b in batches:
             md = _decode_md(b, 192, 256, 16)
@@ -121,7 +129,7 @@ def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, 
                 finally:
                     decode_attention.PREFETCH = keep
                 out.append((f"decode_rope_attention b{b} ctx192 max256",
-                            {**base, **cfg, "prefetch": prefetch}, fused.calls[-1]))
+                            {**base, **cfg, "prefetch": prefetch}, fused.fn, fused.calls[-1]))
         q = torch.randn(256, 16, 128, dtype=bf)
         for max_len in (160, 2176):
             md = _decode_md(256, min(96, max_len), max_len, max_len // 16)
@@ -137,67 +145,59 @@ def launches(batches: list[int], variants: list[dict]) -> list[tuple[str, dict, 
                 finally:
                     attention.DECODE_ONE_LOOP = keep
                 out.append((f"paged_attention b256 max{max_len}",
-                            {**base, **cfg, "decode_one_loop": one_loop}, paged.calls[-1]))
-    finally:
-        decode_attention._decode_rope_attention_kernel = fused.fn
-        attention._paged_attention_kernel = paged.fn
-        attention._merge_splits_kernel = merge
+                            {**base, **cfg, "decode_one_loop": one_loop}, paged.fn,
+                            paged.calls[-1]))
     return out
 
 
 GEMM_KINDS = ("qkv", "o_proj", "gate_up", "down")
 
 
-def gemm_launches(rows_list: list[int]) -> list[tuple[str, dict, object]]:
+def gemm_launches(rows_list: list[int]) -> list[tuple[str, dict, object, tuple]]:
     """The four small_m_fused GEMMs of a decode layer (Qwen3-0.6B, bf16) at each row count,
     unsplit and with ``split_k_for``'s split (``small_m_fused.SPLIT_K`` off / on)."""
     from check_pdl_sm90 import _gemm_launches
 
     from mrv2.kernels import small_m_fused
-    fn = small_m_fused._small_m_fused_kernel
-    cap = _Capture(fn)
-    small_m_fused._small_m_fused_kernel = cap
     keep = small_m_fused.SPLIT_K
     out = []
-    try:
-        for rows in rows_list:
-            for split in (False, True):
-                small_m_fused.SPLIT_K = split
-                start = len(cap.calls)
-                _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
-                for kind, call in zip(GEMM_KINDS, cap.calls[start:], strict=True):
-                    kw = call[2]
-                    cfg = {"split_k": kw["SPLIT_K"], "block_m": kw["BLOCK_M"],
-                           "block_n": kw["BLOCK_N"], "block_k": kw["BLOCK_K"],
-                           "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages")}
-                    out.append((f"small_m_fused {kind} M{rows}", cfg, call))
-    finally:
-        small_m_fused._small_m_fused_kernel = fn
-        small_m_fused.SPLIT_K = keep
+    with _captured(small_m_fused, "_small_m_fused_kernel") as cap:
+        try:
+            for rows in rows_list:
+                for split in (False, True):
+                    small_m_fused.SPLIT_K = split
+                    start = len(cap.calls)
+                    _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
+                    for kind, call in zip(GEMM_KINDS, cap.calls[start:], strict=True):
+                        kw = call[2]
+                        cfg = {"split_k": kw["SPLIT_K"], "block_m": kw["BLOCK_M"],
+                               "block_n": kw["BLOCK_N"], "block_k": kw["BLOCK_K"],
+                               "num_warps": kw.get("num_warps"),
+                               "num_stages": kw.get("num_stages")}
+                        out.append((f"small_m_fused {kind} M{rows}", cfg, cap.fn, call))
+        finally:
+            small_m_fused.SPLIT_K = keep
     return out
 
 
-def heads_launches(heads_list: list[int], variants: list[dict]) -> list[tuple[str, dict, object]]:
+def heads_launches(heads_list: list[int], variants: list[dict]
+                   ) -> list[tuple[str, dict, object, tuple]]:
     """``decode_heads``' launch at batch 256 (Qwen3-0.6B, bf16, 96 keys) for each heads a
     program, at ``LAUNCH`` and with each of ``variants`` (block_n / num_warps / num_stages)."""
     from mrv2.kernels import decode_heads
-    fn = decode_heads._decode_heads_kernel
-    cap = _Capture(fn)
-    decode_heads._decode_heads_kernel = cap
+    bf = torch.bfloat16
+    kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
+    q = torch.randn(256, 16, 128, dtype=bf)
+    md = _decode_md(256, 96, 160, 10)
     out = []
-    try:
-        bf = torch.bfloat16
-        kv = torch.zeros(2, 64, 16, 8, 128, dtype=bf)
-        q = torch.randn(256, 16, 128, dtype=bf)
-        md = _decode_md(256, 96, 160, 10)
+    with _captured(decode_heads, "_decode_heads_kernel") as cap:
         for heads in heads_list:
             for v in [{}, *(x for x in variants if set(x) <= set(decode_heads.LAUNCH))]:
                 decode_heads.decode_heads_attention(q, kv, md, 128 ** -0.5, torch.zeros_like(q),
                                                     heads=heads, config=v)
                 out.append((f"decode_heads b256 heads{heads}",
-                            {**decode_heads.LAUNCH, **v, "heads": heads}, cap.calls[-1]))
-    finally:
-        decode_heads._decode_heads_kernel = fn
+                            {**decode_heads.LAUNCH, **v, "heads": heads}, cap.fn,
+                            cap.calls[-1]))
     return out
 
 
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         todo += gemm_launches([int(r) for r in args.gemm_rows.split(",")])
     if args.heads:
         todo += heads_launches([int(h) for h in args.heads.split(",")], args.variants)
-    for i, (label, cfg, (grid, a, kw)) in enumerate(todo):
-        kernel = _compile(_fn_of(label), a, kw)
+    for i, (label, cfg, fn, (grid, a, kw)) in enumerate(todo):
+        kernel = _compile(fn, a, kw)
         regs, spill = _ptxas(kernel, ptx_dir / f"launch_{i}")
         warps, smem = kernel.metadata.num_warps, kernel.metadata.shared
         occ = programs_per_sm(regs, warps, smem)
@@ -252,17 +252,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows
-
-
-def _fn_of(label: str):
-    if label.startswith("decode_heads"):
-        from mrv2.kernels import decode_heads
-        return decode_heads._decode_heads_kernel
-    if label.startswith("small_m_fused"):
-        from mrv2.kernels import small_m_fused
-        return small_m_fused._small_m_fused_kernel
-    return (decode_attention._decode_rope_attention_kernel if label.startswith("decode")
-            else attention._paged_attention_kernel)
 
 
 if __name__ == "__main__":
