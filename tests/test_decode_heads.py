@@ -26,6 +26,15 @@ from mrv2.platform import HAS_CUDA
 REQS = [(0, 1), (15, 1), (16, 1), (63, 1), (64, 1), (99, 1), (128, 1)]
 
 
+def _launches(monkeypatch) -> list[int]:
+    """The request counts of every ``decode_heads_attention`` call from here on."""
+    calls = []
+    orig = decode_heads.decode_heads_attention
+    monkeypatch.setattr(decode_heads, "decode_heads_attention",
+                        lambda *a, **k: calls.append(a[2].num_reqs) or orig(*a, **k))
+    return calls
+
+
 def _check(reqs, num_heads, num_kv_heads, head_dim=16, block_size=16, heads=None, config=None,
            **kw):
     q, kv_cache, md = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, **kw)
@@ -95,10 +104,7 @@ def test_bad_input_raises_before_work():
 
 
 def test_paged_attention_routes_only_large_plain_decode_launches(monkeypatch):
-    calls = []
-    orig = decode_heads.decode_heads_attention
-    monkeypatch.setattr(decode_heads, "decode_heads_attention",
-                        lambda *a, **k: calls.append(a[2].num_reqs) or orig(*a, **k))
+    calls = _launches(monkeypatch)
     monkeypatch.setattr(decode_heads, "ENABLED", True)
     monkeypatch.setattr(decode_heads, "MIN_REQS", 3)
     q, kv_cache, md = make_batch(REQS[:4], 4, 2, 16)
@@ -125,10 +131,7 @@ def test_llm_greedy_on_equals_off(monkeypatch):
     llm = LLM(max_model_len=96, max_num_seqs=4, dtype="float32", enforce_eager=True)
     prompts = ["ROMEO:", "JULIET:\nO Romeo,", "First Citizen:", "KING HENRY:"]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
-    calls = []
-    orig = decode_heads.decode_heads_attention
-    monkeypatch.setattr(decode_heads, "decode_heads_attention",
-                        lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = _launches(monkeypatch)
     monkeypatch.setattr(decode_heads, "MIN_REQS", 1)
 
     def tokens(on):
@@ -175,10 +178,7 @@ def test_gpu_v2_loop_with_decode_heads_runs_under_sync_debug_error(monkeypatch):
     monkeypatch.setattr(decode_heads, "ENABLED", True)
     monkeypatch.setattr(decode_heads, "MIN_REQS", 1)
     monkeypatch.setattr(decode_attention, "ENABLED", False)
-    calls = []
-    orig = decode_heads.decode_heads_attention
-    monkeypatch.setattr(decode_heads, "decode_heads_attention",
-                        lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = _launches(monkeypatch)
     llm = LLM(max_model_len=96, max_num_seqs=8, async_scheduling=True)
     prompts = [f"Speak, {name}:" for name in ("ROMEO", "JULIET", "HAMLET", "LEAR", "PUCK")]
     params = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
