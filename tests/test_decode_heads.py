@@ -17,7 +17,7 @@ from test_kernels_attention import make_batch
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM, SamplingParams
-from mrv2.kernels import attention, decode_heads
+from mrv2.kernels import attention, decode_attention, decode_heads
 from mrv2.kernels.attention import paged_attention, paged_attention_ref
 from mrv2.kernels.decode_heads import decode_heads_attention, heads_per_program
 from mrv2.platform import HAS_CUDA
@@ -133,6 +133,9 @@ def test_llm_greedy_on_equals_off(monkeypatch):
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
     calls = _launches(monkeypatch)
     monkeypatch.setattr(decode_heads, "MIN_REQS", 1)
+    # NOTE: on the GPU small decode batches take the fused decode attention, never
+    # paged_attention; turn it off so both runs reach the router.
+    monkeypatch.setattr(decode_attention, "ENABLED", False)
 
     def tokens(on):
         monkeypatch.setattr(decode_heads, "ENABLED", on)
@@ -174,7 +177,6 @@ def test_gpu_v2_loop_with_decode_heads_runs_under_sync_debug_error(monkeypatch):
     off, the request floor at 1), async and CUDA graphs: no CPU-GPU sync."""
     from device_utils import generate_without_sync
 
-    from mrv2.kernels import decode_attention
     monkeypatch.setattr(decode_heads, "ENABLED", True)
     monkeypatch.setattr(decode_heads, "MIN_REQS", 1)
     monkeypatch.setattr(decode_attention, "ENABLED", False)
