@@ -16,11 +16,13 @@ Run through ``python -m mrv2 bench decode|timeline``; results go to
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
 from mrv2 import LLM, SamplingParams
-from mrv2.bench.timing import free_device_memory
+from mrv2.bench.timing import count_triton_compiles, free_device_memory
 from mrv2.bench.timing import random_token_prompts as _prompts
 from mrv2.bench.timing import timed_generate as _timed_generate
 
@@ -39,23 +41,35 @@ def decode_step_times(llm_kwargs: dict, batch_sizes=(1, 64, 256), context: int =
         repeats: runs per point; the median is kept.
 
     Returns:
-        ``{"graphs": {B: ms}, "eager": {B: ms}}`` plus the settings.
+        ``{"graphs": {B: ms}, "eager": {B: ms}}`` plus the settings and
+        ``triton_compiles`` (per mode, inside the timed runs: should be 0).
     """
-    out: dict = {"context": context, "steps": steps, "repeats": repeats}
+    out: dict = {"context": context, "steps": steps, "repeats": repeats, "triton_compiles": {}}
     for use_graphs in graphs:
+        # NOTE: prefix caching off, as in ``profile_decode``. With it on, the timed runs hit
+        # the blocks the warm-up left and prefill a different shape than the warm-up did:
+        # at 64 and 128 requests that eager prefill compiled a new attention variant inside
+        # the first timed pair (job 18C: "CUDA graphs" 18.1 / 21.6 ms a step, the median of
+        # a pair with and without a ~2 s compile; 1.65 / 2.43 ms with caching off).
         llm = LLM(**{**llm_kwargs, "max_num_seqs": max(batch_sizes),
-                     "enforce_eager": not use_graphs})
+                     "enforce_eager": not use_graphs, "enable_prefix_caching": False})
         vocab = llm.hf_config.vocab_size
-        times = {}
+        times, compiles = {}, 0
         for b in batch_sizes:
             prompts = _prompts(b, context, vocab, seed=b)
             first = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0)
             full = SamplingParams(temperature=0.6, max_tokens=1 + steps, ignore_eos=True, seed=0)
             _timed_generate(llm, prompts, full)  # warm-up
-            per = [(_timed_generate(llm, prompts, full) - _timed_generate(llm, prompts, first))
-                   / steps * 1e3 for _ in range(repeats)]
+            with count_triton_compiles() as names:
+                per = [(_timed_generate(llm, prompts, full) - _timed_generate(llm, prompts, first))
+                       / steps * 1e3 for _ in range(repeats)]
             times[b] = float(np.median(per))
-        out["graphs" if use_graphs else "eager"] = times
+            compiles += len(names)
+        mode = "graphs" if use_graphs else "eager"
+        out[mode], out["triton_compiles"][mode] = times, compiles
+        if compiles:
+            warnings.warn(f"bench decode --compare-eager: {compiles} Triton compiles inside the "
+                          f"timed {mode} runs: their step times include compile time")
         del llm  # NOTE: the last reference: only then can its memory go back
         free_device_memory()
     if "graphs" in out and "eager" in out:
