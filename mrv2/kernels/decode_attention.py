@@ -71,9 +71,13 @@ FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 #: a variant taking turns, ``scripts/bench_processes.py``, job 16A): TPOT medians off / on
 #: b1 0.836 / 0.717 ms, b2 0.920 / 0.881, b8 1.096 / 1.062 (faster in every round at all
 #: three), b32 1.405 / 1.444 (slower in every round: two tiles a program, the first held in
-#: registers through the wait). 9-31 requests are unmeasured and keep the loads after it.
+#: registers through the wait). The bound, in the same kind of run (2 rounds of 3 variants,
+#: job 18F, ``bench_latency_prefetch_reqs_processes_*_job18F-*.json``): up to 8 / 16 / 32
+#: requests, TPOT b16 1.196 / 1.127 / 1.124 ms (16 faster in both rounds), b24 1.355 / 1.346
+#: / 1.378, b32 1.406 / 1.420 / 1.454: 16. (Under CUDA graphs a step takes the graph of the
+#: next captured size, 1, 2, 4, 8, 16, 24, ...: 9-16 requests all run the 16 graph.)
 PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", True)
-PREFETCH_MAX_REQS = 8
+PREFETCH_MAX_REQS = 16
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
