@@ -401,6 +401,43 @@ def test_profile_decode_records_its_warmup_and_refuses_a_too_long_run():
         profile_decode(kw, batch_sizes=(4,), contexts=(8,), steps=5, warmup=1, repeats=1)
 
 
+def test_context_ranges_spread_a_batch_over_lengths():
+    import argparse
+
+    from mrv2.bench.cli import _context_list
+    from mrv2.bench.decode_profile import _mixed_prompts, context_label, context_lengths
+
+    assert context_lengths(128, 3) == [128, 128, 128]
+    spread = context_lengths((100, 1024), 5, seed=3)
+    assert sorted(spread) == [100, 331, 562, 793, 1024]     # evenly from lo to hi, both in
+    assert spread == context_lengths((100, 1024), 5, seed=3) != sorted(spread)  # seeded order
+    assert context_lengths((7, 9), 1) == [7] and context_lengths((5, 5), 2) == [5, 5]
+    for bad in (0, (0, 4), (9, 4)):
+        with pytest.raises(ValueError, match="context"):
+            context_lengths(bad, 2)
+    assert [len(p["prompt_token_ids"]) for p in _mixed_prompts([3, 9, 5], 50, seed=1)] == [3, 9, 5]
+    assert context_label(128) == "128" and context_label((100, 1024)) == "100-1024"
+    assert _context_list("128, 1024,100-1024") == [128, 1024, (100, 1024)]
+    for bad in ("0", "9-4", "a-b", "", "12-"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _context_list(bad)
+
+
+def test_profile_decode_of_a_mixed_batch_takes_its_mean_context():
+    from mrv2.bench.decode_profile import profile_decode
+
+    kw = {"model": None, "dtype": "float32", "max_model_len": 32,
+          "max_num_batched_tokens": 16, "skip_tokenizer_init": True}
+    # lengths 4, 7, 9, 12: mean 8, 32 prompt tokens at 16 a step (less 4 decodes): 3 chunks + 1
+    res = profile_decode(kw, batch_sizes=(4,), contexts=((4, 12),), steps=2, warmup=1, repeats=1)
+    (point,) = res["points"]
+    assert (point["context"], point["mean_context"], point["warmup_steps"]) == ("4-12", 8.0, 4)
+    assert point["roofline"]["context"] == 8 + 4 + 1.5
+    # 4, 12, 20, 28: a uniform batch of their mean (16) would fit, the longest does not
+    with pytest.raises(ValueError, match="4-28 needs 38 tokens"):
+        profile_decode(kw, batch_sizes=(4,), contexts=((4, 28),), steps=2, warmup=1, repeats=1)
+
+
 def test_bench_decode_takes_a_max_model_len_and_refuses_one_too_short(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert main(["bench", "decode", "--tiny", "--max-model-len", "64", "--out", str(out)]) == 0

@@ -15,10 +15,16 @@
 #      host-bound v2,v1 default vs decode_heads (swap in B's winner)
 #   C  the book's GPU figures (chapters 01, 05, 08, 10) at main's defaults
 #   D  (if time is left) PREFETCH_MAX_REQS 8 / 16 / 32 at batch 16-32
+#   F  (session 18) the fixed decode_heads GPU tests, the standard workload's per-step CPU/GPU
+#      split (--timeline: is its wall-over-GPU gap at long contexts the host?), then D
+#   G  (session 19) where the standard workload's decode loses 25%: bench decode at 64 / 128 /
+#      256 requests, uniform contexts against a mix of the same mean (100-1024 is the
+#      standard's prompt draw; uniform points reach 90-96% in attention, the workload 72-77%
+#      per batch bucket, job 13A), then the compare-eager table again with the fixed bench
 #   E  host-bound v2,v1 with the fused layers (4 kernels a layer) for 17-256 rows, split or
 #      not (take it after A's chain at 128 / 256 rows says they are near cuBLAS)
 set -uo pipefail
-part=${1:?part A, B, C, D or E}
+part=${1:?part A-G}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -70,5 +76,17 @@ E)
      --variant fused256split="--set $SM:MODEL_MAX_M=256 --set $SM:SPLIT_K=true" \
      -- bench throughput --workload host-bound --runner v2,v1
   ;;
-*) echo "unknown part $part (A-E)"; exit 2 ;;
+F)
+  py -m pytest -q tests/test_decode_heads.py
+  py -m mrv2 bench throughput --workload standard --runner v2 --timeline \
+     --out "$OUT/bench_standard_timeline.json"
+  bash "$0" D
+  ;;
+G)
+  py -m mrv2 bench decode --batch-sizes 64,128,256 --contexts 562,100-1024,1024,200-1848 \
+     --out "$OUT/decode_steps_mixed.json"
+  py -m mrv2 bench decode --batch-sizes 1,64,256 --contexts 128 --compare-eager \
+     --out "$OUT/decode_steps.json"
+  ;;
+*) echo "unknown part $part (A-G)"; exit 2 ;;
 esac

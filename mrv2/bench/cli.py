@@ -18,6 +18,26 @@ from __future__ import annotations
 import argparse
 
 
+def _context_list(text: str) -> list:
+    """``128,1024,100-1024`` -> ``[128, 1024, (100, 1024)]`` (``bench decode --contexts``)."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        lo, sep, hi = item.partition("-")
+        try:
+            value = (int(lo), int(hi)) if sep else int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated lengths or LO-HI ranges, got {text!r}") from None
+        if (min(value) if sep else value) < 1 or (sep and value[0] > value[1]):
+            raise argparse.ArgumentTypeError(f"expected positive lengths, LO <= HI, got {item!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one context, got {text!r}")
+    return values
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -118,8 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transformers cache_implementation")
     p.add_argument("--batch-sizes", type=_int_list, default=None,
                    help="latency batch sizes (default 1,8,32)")
-    p.add_argument("--contexts", type=_int_list, default=None,
-                   help="decode: prompt lengths (default 128,1024)")
+    p.add_argument("--contexts", type=_context_list, default=None,
+                   help="decode: prompt lengths (default 128,1024); LO-HI: the batch's "
+                        "lengths spread evenly over that range (a server's mix)")
     p.add_argument("--decode-steps", type=int, default=32, help="decode: steps measured")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="decode/timeline: the LLM's max_model_len (default 2048, tiny 512). "

@@ -11,6 +11,12 @@ overlap under PDL count once), and a per-kernel table. CUDA graphs are on
 it do. The roofline of the step (weights + the requests' cached K/V read once at the
 measured copy bandwidth, ``bench/roofline.py``) gives the fraction reached.
 
+A context may also be a range ``(lo, hi)`` (``--contexts 100-1024`` on the command line):
+the batch's prompt lengths then spread evenly from ``lo`` to ``hi``, in a seeded random
+order, as a server's mix of requests does (the standard workload draws 100-1,024 tokens).
+Against a uniform point of the same mean it isolates what mixing costs: one request's
+programs run ``hi / lo`` times longer than another's, and a launch ends with its longest.
+
 On the CPU the profiler sees no GPU kernels: the figures come from the top-level torch
 ops of the interpreter's run and say nothing about a GPU (the tiny preset only checks
 that the benchmark runs).
@@ -68,6 +74,46 @@ def _kernel_totals(llm: LLM, prompts, sp) -> tuple[dict[str, list[float]], float
     return dict(totals), busy_us(spans)
 
 
+Context = int | tuple[int, int]
+
+
+def context_lengths(context: Context, batch: int, seed: int = 0) -> list[int]:
+    """Prompt lengths of a point's ``batch`` requests.
+
+    Args:
+        context: one length for every request, or ``(lo, hi)``: lengths spread evenly from
+            ``lo`` to ``hi`` (both included when ``batch > 1``), shuffled with ``seed``.
+        batch: requests.
+        seed: the shuffle's seed.
+
+    Returns:
+        ``batch`` positive lengths.
+    """
+    if isinstance(context, int):
+        if context < 1:
+            raise ValueError(f"context must be >= 1, got {context}")
+        return [context] * batch
+    lo, hi = context
+    if not 1 <= lo <= hi:
+        raise ValueError(f"a context range needs 1 <= lo <= hi, got {lo}-{hi}")
+    import numpy as np
+
+    lengths = np.rint(np.linspace(lo, hi, batch)).astype(int) if batch > 1 else np.array([lo])
+    return [int(n) for n in np.random.RandomState(seed).permutation(lengths)]
+
+
+def context_label(context: Context) -> str:
+    """``"128"`` or ``"100-1024"``: how a point's context is written in tables and JSON."""
+    return str(context) if isinstance(context, int) else f"{context[0]}-{context[1]}"
+
+
+def _mixed_prompts(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+    """Token-id prompts of the given lengths (each ``random_token_prompts``' kind)."""
+    if len(set(lengths)) == 1:
+        return _prompts(len(lengths), lengths[0], vocab, seed=seed)
+    return [_prompts(1, n, vocab, seed=seed * 1009 + i)[0] for i, n in enumerate(lengths)]
+
+
 def decode_warmup(batch: int, context: int, budget: int, warmup: int) -> int:
     """Decode steps both runs share before the measured ones: ``warmup``, or more when the
     prompts are prefilled in chunks.
@@ -111,7 +157,8 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
 
     Args:
         llm_kwargs: ``LLM`` arguments; ``max_num_seqs`` and prefix caching are set here.
-        batch_sizes, contexts: the grid (context = prompt tokens of every request).
+        batch_sizes, contexts: the grid (context = prompt tokens of every request, or a
+            ``(lo, hi)`` range the batch's prompt lengths spread over: ``context_lengths``).
         steps: decode steps measured (the difference of the two runs).
         warmup: decode steps both runs share before the measured ones (more where the
             prompts are prefilled in chunks: ``decode_warmup``; each point records its own).
@@ -133,19 +180,22 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
     vocab = llm.hf_config.vocab_size
     budget, max_len = (llm.scheduler_config.max_num_batched_tokens,
                        llm.scheduler_config.max_model_len)
-    wus = {(ctx, b): decode_warmup(b, ctx, budget, warmup) for ctx in contexts
-           for b in batch_sizes}
-    for (ctx, b), wu in wus.items():  # every point fits, checked before any of them runs
-        need = ctx + 1 + wu + steps
+    lens = {(i, b): context_lengths(ctx, b, seed=b) for i, ctx in enumerate(contexts)
+            for b in batch_sizes}
+    # NOTE: a mixed batch's chunks fill the budget as a uniform one of its mean length would
+    wus = {k: decode_warmup(k[1], -(-sum(n) // k[1]), budget, warmup) for k, n in lens.items()}
+    for (i, b), wu in wus.items():  # every point fits, checked before any of them runs
+        need = max(lens[(i, b)]) + 1 + wu + steps
         if need > max_len:
-            raise ValueError(f"bench decode: batch {b} x context {ctx} needs {need} tokens "
-                             f"a request (warm-up steps past a chunked prefill, {steps} "
-                             f"measured), above max_model_len={max_len}")
+            raise ValueError(f"bench decode: batch {b} x context {context_label(contexts[i])} "
+                             f"needs {need} tokens a request (warm-up steps past a chunked "
+                             f"prefill, {steps} measured), above max_model_len={max_len}")
     points = []
-    for ctx in contexts:
+    for i, ctx in enumerate(contexts):
         for b in batch_sizes:
-            wu = wus[(ctx, b)]
-            prompts = _prompts(b, ctx, vocab, seed=b * 7919 + ctx)
+            wu, lengths = wus[(i, b)], lens[(i, b)]
+            first = ctx if isinstance(ctx, int) else ctx[0] * 31 + ctx[1]
+            prompts = _mixed_prompts(lengths, vocab, seed=b * 7919 + first)
             sp = [SamplingParams(temperature=temperature, max_tokens=1 + wu + n,
                                  ignore_eos=True, seed=0) for n in (0, steps)]
             _timed_generate(llm, prompts, sp[1])  # warm-up: compiles, graph captures
@@ -156,10 +206,13 @@ def profile_decode(llm_kwargs: dict, batch_sizes=(1, 8, 32, 64, 128, 256),
             table = step_kernels(short, long, steps)
             gpu_ms = max(busy1 - busy0, 0.0) / steps / 1e3
             # the measured steps read contexts ctx + 1 + wu ... ctx + wu + steps
+            # (the roofline is linear in the context: a mixed batch's is at its mean)
+            mean_ctx = sum(lengths) / len(lengths)
             roof = decode_roofline(info["weight_bytes"], info["kv_bytes_per_token"], b,
-                                   ctx + wu + (steps + 1) / 2, bw["bandwidth_gbs"])
+                                   mean_ctx + wu + (steps + 1) / 2, bw["bandwidth_gbs"])
             points.append({
-                "batch": b, "context": ctx, "warmup_steps": wu,
+                "batch": b, "context": ctx if isinstance(ctx, int) else context_label(ctx),
+                "mean_context": mean_ctx, "warmup_steps": wu,
                 "kernels_per_step": sum(r["launches_per_step"] for r in table),
                 "gpu_ms_per_step": gpu_ms, "wall_ms_per_step": wall, "roofline": roof,
                 "kernel_sum_ms_per_step": sum(r["ms_per_step"] for r in table),
@@ -182,7 +235,7 @@ def profile_table(result: dict, kernels: int = 15) -> str:
     lines = [head]
     for p in result["points"]:
         fg, fw = p["roofline_fraction_gpu"], p["roofline_fraction_wall"]
-        lines.append(f"{p['batch']:>5} {p['context']:>5} {p['kernels_per_step']:>8.1f} "
+        lines.append(f"{p['batch']:>5} {p['context']!s:>5} {p['kernels_per_step']:>8.1f} "
                      f"{p['gpu_ms_per_step']:>8.3f} {p['wall_ms_per_step']:>8.3f} "
                      f"{p['roofline']['step_ms']:>8.3f} "
                      f"{fg if fg is None else format(fg, '8.0%'):>8} "
