@@ -271,10 +271,9 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
 #: the second the partial one, nothing overlaps. For a decode token (q_len 1) the causal mask
 #: is just ``key < seq_len``, so masking every tile costs a compare a key. Chosen per program
 #: at run time (``q_len == 1``): prefill programs of the same launch keep both loops.
-#: OFF until measured: at batch 256 paged attention is ~40 us a layer for ~24 us of bytes
-#: (4 waves of 2,048 programs, 4 an SM: ``scripts/occupancy_sm90.py``), so this is the lever
-#: to try first: ``scripts/bench_with.py --set mrv2.kernels.attention:DECODE_ONE_LOOP=true
-#: -- bench throughput --workload host-bound``. The interpreter always runs one loop
+#: OFF, measured slower: at batch 256 and 96 keys attention took 1.27 ms a step with it and
+#: 1.21 without (H200, ``bench decode``, job 18B; ``scripts/bench_with.py --set
+#: mrv2.kernels.attention:DECODE_ONE_LOOP=true``). The interpreter always runs one loop
 #: (``_ONE_LOOP``); the tests run the GPU's two-loop form interpreted too.
 DECODE_ONE_LOOP: bool = env_switch("MRV2_DECODE_ONE_LOOP", False)
 #: The interpreter's single masked loop for every program (it pays per operation).

@@ -18,10 +18,14 @@ the online-softmax state reset for the next. One token per request (decode launc
 Numerics are ``paged_attention``'s (its tile step, ``attention_tile.py``): fp32 scores and sums, P rounded to
 V's dtype before P @ V, the output rounded once.
 
-OFF until measured (``MRV2_DECODE_HEADS=1``; ``HEADS`` 8 / 4 / 2 through
-``scripts/bench_with.py --set mrv2.kernels.decode_heads:HEADS=4``), and only for contexts up
-to ``MAX_SEQ_LEN``: with 8 heads a long request's program is 8 times longer, which a mix of
-long contexts (the standard workload's 110-2,000 keys) would pay for at its tail.
+OFF: measured and slower (H200, Qwen3-0.6B shape, ``bench decode`` at 256 requests and 96
+keys, job 18B, ``decode_steps_b256_*_job18B-*.json``): attention 1.21 ms a step with
+``paged_attention``'s launch, 1.85 with 8 heads a program, 1.23 with 2; the host-bound
+workload with 8 heads gave V2 0.86x the tokens/s. Kept as a tested record
+(``MRV2_DECODE_HEADS=1``; ``HEADS`` through ``scripts/bench_with.py --set
+mrv2.kernels.decode_heads:HEADS=2``), and only for contexts up to ``MAX_SEQ_LEN``: with 8
+heads a long request's program is 8 times longer, which a mix of long contexts would pay for
+at its tail. See notebooks/01_qwen3_and_paged_kv.ipynb.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ MIN_REQS = 33
 #: a few long programs (the 8-times-longer tail above), so they keep ``paged_attention``.
 MAX_SEQ_LEN = 512
 #: KV heads a program walks (the largest power of two dividing the model's KV heads, up to
-#: this), its key tile, warps and pipeline depth: PROVISIONAL, unmeasured.
+#: this), its key tile, warps and pipeline depth (job 18B measured 8 and 2 heads at this launch).
 HEADS = 8
 LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 

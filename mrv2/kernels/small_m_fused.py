@@ -16,7 +16,7 @@ tl.dot's 16 rows, no split-K):
 * ``small_m_norm_gate_up_silu``: RMSNorm in the prologue, a program streams its gate rows
   AND the matching up rows into two accumulators, SiLU * up in the epilogue.
 
-``SPLIT_K`` (opt-in, ``MRV2_SMALL_M_SPLIT_K=1``; unmeasured): each tile's K cut into ranges,
+``SPLIT_K`` (opt-in, ``MRV2_SMALL_M_SPLIT_K=1``; measured slower, job 18A): each tile's K cut into ranges,
 one program each; ``mrv2.kernels.split_k`` says why and holds the host side.
 
 Numerics are the unfused path's, as in ``skinny_fused``: fp32 accumulation, and every value
@@ -40,8 +40,9 @@ batch  off (ms)  on (ms)
 At 32 rows it loses (the 28-layer GEMM chain, ``scripts/bench_skinny_fused.py --rows``: 1,013
 us with PDL against cuBLAS's 873; at 4 and 8 rows 732 and 718 against 951 and 838), so from 17
 rows the model keeps cuBLAS. The kernel itself takes up to ``MAX_M`` = 256 rows (blocks of at
-most 64; beyond 64 rows unmeasured: ``scripts/bench_skinny_fused.py --rows 128,256``
-puts it against cuBLAS for the batch-256 step).
+most 64), and loses more the more rows it gets (job 18A, with PDL: 995 / 1,008 / 1,247 /
+1,670 / 1,985 us at 24 / 32 / 64 / 128 / 256 rows against cuBLAS's 871 / 872 / 898 / 939 /
+1,009), so the fused layers stay a small-batch path.
 
 NOTE: ``skinny_stream``'s lesson (each program's whole weight slice loaded before the PDL
 wait) lost here (session 16, commit 131a7ef, reverted): a kernel holding its W^T slice as up
@@ -76,7 +77,7 @@ from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
 MAX_M = 256
 #: The launch beyond ``small_m_gemm``'s 64 rows (its planner streams one column block of W
 #: per SM): square 64 x 64 tiles, wgmma-sized, three of them an SM (64 KB of stages each).
-#: PROVISIONAL, unmeasured: the chain bench at 128 / 256 rows is its first test.
+#: Measured once (job 18A, the chain above): about 2x cuBLAS at 128-256 rows; not tuned.
 LARGE_M_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4,
                   "num_stages": 4}
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
@@ -88,10 +89,13 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
                  and env_switch("MRV2_SMALL_M_FUSED", True))
 
 
-#: Split K over several programs per output tile (``split_k_for``): OFF until the H200
-#: measures it (``MRV2_SMALL_M_SPLIT_K=1``; ``scripts/bench_skinny_fused.py --rows 8,32
-#: --split-k``). The launch grid is 64 (o_proj, down: N = 1024 at block_n 16) to 192
-#: programs on 132 SMs, one program an SM at most: the split is how more of them stream.
+#: Split K over several programs per output tile (``split_k_for``): OFF, measured slower
+#: (H200, job 18A, ``*_job18A-*.json``). The launch grid is 64 (o_proj, down: N = 1024 at
+#: block_n 16) to 192 programs on 132 SMs; split, 192-256. The 28-layer chain with PDL took
+#: 832 / 846 / 862 us at 4 / 8 / 16 rows against 732 / 715 / 729 unsplit, and TPOT over fresh
+#: processes 1.17 / 1.22 ms at 4 / 8 requests against 1.02 / 1.08: more programs streaming
+#: did not pay for the partials' round trip and the last program's pass (session 9's folded
+#: split merge lost the same way). ``MRV2_SMALL_M_SPLIT_K=1`` turns it on.
 SPLIT_K: bool = env_switch("MRV2_SMALL_M_SPLIT_K", False)
 
 
