@@ -29,7 +29,10 @@ programs (``split``, ``split_pdl``: ``small_m_fused.SPLIT_K``'s rule), with
 
 Attention is left out (one fixed ``[M, 2048]`` input to o_proj), so the figures are the
 GEMM part of the step. ``--sweep`` also times each fused kernel alone (L2 flushed) over
-(block_n, block_k, num_warps).
+(block_n, block_k, num_warps). ``--launch-sweep`` walks small_m_fused's launch per op
+(block_m, block_n, num_warps, block_k) on the ``fused_pdl`` chain at the rows given, the other
+ops at their default: from 24 rows that chain loses to cuBLAS (995 against 871 us, job 18A),
+and the default launch there (``small_m_gemm._launch``) was never swept in the chain.
 
     python scripts/bench_skinny_fused.py --sweep --out benchmarks/results/skinny_fused.json
     python scripts/bench_skinny_fused.py --pdl --out benchmarks/results/skinny_fused_pdl.json
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import pathlib
@@ -259,6 +263,50 @@ def chain(ms: list[int], smoke: bool, layers: int, with_pdl: bool = False,
     return rows
 
 
+#: small_m_fused's launch overrides ``launch_sweep`` tries per op (block_k None: the planner's).
+LAUNCH_SWEEP = [{"block_m": bm, "block_n": bn, "num_warps": nw, "block_k": bk}
+                for bm, bn, nw, bk in itertools.product((16, 32), (16, 32, 64), (2, 4, 8),
+                                                        (None, 128))]
+
+
+def launch_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
+    """The ``fused_pdl`` chain of small_m_fused's ops with one op's launch overridden
+    (``LAUNCH_SWEEP``), the others at their default: ``{"M", "op", "config", "us_per_step",
+    "max_abs_diff_vs_default"}`` rows; ``us_per_step`` None where the launch failed (e.g. its
+    tiles exceed the shared memory)."""
+    dev, dt, div = ("cpu", torch.float32, 32) if smoke else ("cuda", torch.bfloat16, 1)
+    ws = _weights(layers, div, dev, dt)
+    ops = small_m_fused.SMALL_M_OPS
+    names = ("norm_linear", "linear_add", "norm_gate_up_silu")
+    cfgs = LAUNCH_SWEEP[:1] if smoke else LAUNCH_SWEEP
+    rows = []
+    for m in ms:
+        h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
+        attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
+        base_run = _with_split(_with_stream(_with_pdl(_fused_with(ops), True), False), False)
+        ref = base_run(h, attn, ws).float()
+        base = _graph_us(base_run, (h, attn, ws), smoke)
+        rows.append({"M": m, "op": "default", "config": {}, "us_per_step": base,
+                     "max_abs_diff_vs_default": 0.0})
+        for i, name in enumerate(names):
+            for cfg in cfgs:
+                cfg = {k: v for k, v in cfg.items() if v is not None}
+                swapped = list(ops)
+                swapped[i] = functools.partial(ops[i], config=cfg)
+                run = _with_split(_with_stream(_with_pdl(_fused_with(tuple(swapped)), True),
+                                               False), False)
+                try:
+                    diff = (run(h, attn, ws).float() - ref).abs().max().item()  # compiles
+                    us = _graph_us(run, (h, attn, ws), smoke)
+                except Exception as e:  # noqa: BLE001  (a launch that does not fit: recorded)
+                    us, diff = None, f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append({"M": m, "op": name, "config": cfg, "us_per_step": us,
+                             "max_abs_diff_vs_default": diff})
+                print(f"launch sweep M={m} {name:>17} {cfg}: "
+                      f"{'failed' if us is None else f'{us:7.1f} us'} (default {base:7.1f})")
+    return rows
+
+
 #: The persistent tail's knobs the sweep walks (the first is the default).
 PERSISTENT_CONFIGS = (
     {}, {"slots": 1}, {"sleep": 100}, {"sleep": 500}, {"per_sm": 1}, {"per_sm": 2},
@@ -345,6 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "(3-256 rows) with its K split (SPLIT_K's rule), PDL off and on")
     ap.add_argument("--persistent", action="store_true", help="also the chain as one "
                     "persistent launch a layer (mrv2.kernels.persistent_layer, PDL on)")
+    ap.add_argument("--launch-sweep", action="store_true", help="small_m_fused's launch per "
+                    "op on the fused_pdl chain at the rows given (17-64 rows)")
     ap.add_argument("--persistent-sweep", action="store_true",
                     help="the persistent chain at M = 1 under each PERSISTENT_CONFIGS entry")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "skinny_fused.json"))
@@ -365,7 +415,10 @@ def main(argv: list[str] | None = None) -> dict:
               "kernels": (sweep([m for m in ms if m <= skinny_fused.MODEL_MAX_M], args.smoke)
                           if args.sweep or args.smoke else []),
               "persistent_sweep": (persistent_sweep(args.smoke, args.layers)
-                                   if args.persistent_sweep or args.smoke else [])}
+                                   if args.persistent_sweep or args.smoke else []),
+              "launch_sweep": (launch_sweep([m for m in ms if m > skinny_fused.MODEL_MAX_M]
+                                            or [3], args.smoke, args.layers)
+                               if args.launch_sweep or args.smoke else [])}
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return report

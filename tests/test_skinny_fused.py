@@ -301,6 +301,12 @@ def test_bench_smoke(tmp_path):
     assert all(r["max_abs_diff_vs_fused"] < 1e-3 for r in saved["chain"]
                if r["runner"].startswith("stream"))
     assert {r["kind"] for r in saved["stream_sweep"]} == {"default", "norm", "add", "gate_up"}
+    # small_m_fused's launch sweep: one override per op, each run and matching the default
+    launches = saved["launch_sweep"]
+    assert {r["op"] for r in launches} == {"default", "norm_linear", "linear_add",
+                                           "norm_gate_up_silu"}
+    assert all(isinstance(r["max_abs_diff_vs_default"], float)
+               and r["max_abs_diff_vs_default"] < 1e-3 for r in launches)
 
 
 # --------------------------------------------------------------- bf16 (GPU only)

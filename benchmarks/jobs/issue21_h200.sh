@@ -21,10 +21,14 @@
 #      256 requests, uniform contexts against a mix of the same mean (100-1024 is the
 #      standard's prompt draw; uniform points reach 90-96% in attention, the workload 72-77%
 #      per batch bucket, job 13A), then the compare-eager table again with the fixed bench
+#   H  (session 19) small_m_fused's launch swept per op on the 28-layer chain at 24 and 32
+#      rows (72 launches x 3 ops, ~200 compiles: ~5 min), where its default loses to cuBLAS
+#      (995 / 1,008 against 871 / 872 us, job 18A); a winner under 871 would let the model
+#      take the fused layers (4 kernels a layer) to 32 rows: then TPOT b24/b32 A/B
 #   E  host-bound v2,v1 with the fused layers (4 kernels a layer) for 17-256 rows, split or
 #      not (take it after A's chain at 128 / 256 rows says they are near cuBLAS)
 set -uo pipefail
-part=${1:?part A-G}
+part=${1:?part A-H}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -88,5 +92,9 @@ G)
   py -m mrv2 bench decode --batch-sizes 1,64,256 --contexts 128 --compare-eager \
      --out "$OUT/decode_steps.json"
   ;;
-*) echo "unknown part $part (A-G)"; exit 2 ;;
+H)
+  py scripts/bench_skinny_fused.py --rows 24,32 --pdl --launch-sweep \
+     --out "$OUT/small_m_launch_sweep.json"
+  ;;
+*) echo "unknown part $part (A-H)"; exit 2 ;;
 esac
