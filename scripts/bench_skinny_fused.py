@@ -269,6 +269,11 @@ LAUNCH_SWEEP = [{"block_m": bm, "block_n": bn, "num_warps": nw, "block_k": bk}
                                                         (None, 128))]
 
 
+def _pdl_chain(ops):
+    """The fused chain of ``ops`` with PDL on, split-K and the stream kernels off."""
+    return _with_split(_with_stream(_with_pdl(_fused_with(ops), True), False), False)
+
+
 def launch_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
     """The ``fused_pdl`` chain of small_m_fused's ops with one op's launch overridden
     (``LAUNCH_SWEEP``), the others at their default: ``{"M", "op", "config", "us_per_step",
@@ -283,7 +288,7 @@ def launch_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
     for m in ms:
         h = torch.randn(m, HIDDEN // div, device=dev, dtype=dt)
         attn = torch.randn(m, ATTN // div, device=dev, dtype=dt)
-        base_run = _with_split(_with_stream(_with_pdl(_fused_with(ops), True), False), False)
+        base_run = _pdl_chain(ops)
         ref = base_run(h, attn, ws).float()
         base = _graph_us(base_run, (h, attn, ws), smoke)
         rows.append({"M": m, "op": "default", "config": {}, "us_per_step": base,
@@ -293,8 +298,7 @@ def launch_sweep(ms: list[int], smoke: bool, layers: int) -> list[dict]:
                 cfg = {k: v for k, v in cfg.items() if v is not None}
                 swapped = list(ops)
                 swapped[i] = functools.partial(ops[i], config=cfg)
-                run = _with_split(_with_stream(_with_pdl(_fused_with(tuple(swapped)), True),
-                                               False), False)
+                run = _pdl_chain(tuple(swapped))
                 try:
                     diff = (run(h, attn, ws).float() - ref).abs().max().item()  # compiles
                     us = _graph_us(run, (h, attn, ws), smoke)
