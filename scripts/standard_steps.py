@@ -72,7 +72,14 @@ def main(argv: list[str] | None = None) -> dict:
                     help="default: $MRV2_SHARED_DATA/qwen3-tokenizer with dummy weights")
     ap.add_argument("--tiny", action="store_true", help="the embedded model, 8 short requests")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE:ATTR=JSON",
+                    help="set a module knob first, as scripts/bench_with.py --set (repeatable)")
     args = ap.parse_args(argv)
+    if args.set:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_with import apply_set
+        for spec in args.set:
+            apply_set(spec)
     if args.tiny:
         spec, vocab = llm_runs.ModelSpec(None, "auto"), 2048
         wl = make_workload(args.workload, vocab, 0, 8, 16, 8, True)
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mrv2.bench.report import environment
 
     res = {**environment(), "workload": args.workload, "attention_order":
-           os.environ.get("MRV2_ATTENTION_ORDER", "1") != "0",
+           os.environ.get("MRV2_ATTENTION_ORDER", "1") != "0", "set": args.set,
            "run": run, "summary": totals, "buckets": buckets,
            "recs": recs, "gpu": {str(k): v for k, v in gpu.items()}}
     pathlib.Path(args.out).write_text(json.dumps(res))

@@ -166,3 +166,19 @@ def test_sweep_update_table_keeps_the_entries_it_did_not_sweep(tmp_path):
     sweep.main(args)  # without --update-table: the heuristic again
     fresh = {(e["batch"], e["context"]): e for e in json.loads(table_path.read_text())["entries"]}
     assert fresh[(4, 512)]["num_warps"] != 1
+
+
+def test_a_partition_rule_wins_over_the_fused_kernels_launches(monkeypatch):
+    """decode_attention.pick_config applies ``attention.DECODE_PARTITIONS`` after its own
+    short-context and one-request launches: a matching rule's parts, else those launches
+    (with ``part_tiles`` 0, whatever the table said)."""
+    from mrv2.kernels import decode_attention
+    monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(attention, "_num_sms", lambda: 132)
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS",
+                        [{"lo": 8, "hi": 32, "min_seq_len": 1024, "keys": 256}])
+    cfg = decode_attention.pick_config(16, 8, 2, 1, 2048)
+    assert (cfg["num_splits"], cfg["part_tiles"], cfg["block_n"]) == (8, 4, 64)
+    assert decode_attention.pick_config(16, 8, 2, 1, 256)["part_tiles"] == 0   # short: its own
+    one = decode_attention.pick_config(1, 8, 2, 1, 2048)                       # no rule for 1
+    assert (one["num_splits"], one["part_tiles"]) == (32, 0)

@@ -67,7 +67,11 @@ CTX = [0, 5, 15, 16, 40, 100]   # a first token, in-page, a page's end, across p
 @pytest.mark.parametrize("cfg", [{"num_splits": 1, "block_n": 16},
                                  {"num_splits": 3, "block_n": 16},
                                  {"num_splits": 8, "block_n": 32},
-                                 {"num_splits": 2, "block_n": 64}])
+                                 {"num_splits": 2, "block_n": 64},
+                                 # fixed parts (attention.DECODE_PARTITIONS): 7 x 16 keys,
+                                 # 4 x 32 keys; short requests leave parts empty
+                                 {"num_splits": 7, "block_n": 16, "part_tiles": 1},
+                                 {"num_splits": 4, "block_n": 16, "part_tiles": 2}])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg, prefetch, monkeypatch):
     """``prefetch``: the first cached key tile loaded before the PDL wait (``PREFETCH``):

@@ -180,3 +180,27 @@ def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypa
     monkeypatch.setattr(attention, "ORDER_ENABLED", False)
     plain = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_fixed_key_partitions_without_a_sync_or_a_change(monkeypatch):
+    """Every decode step on fixed-size key partitions (``attention.DECODE_PARTITIONS``: a rule
+    for 1-256 requests, parts of 128 keys): the fused kernel's batches (<= 32) and paged
+    attention's (33+), mixed contexts, in the captured graphs; the step loop stays free of
+    syncs and the fp32 greedy tokens equal those of the runner without partitions."""
+    from mrv2.kernels import attention
+
+    kw = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 48, "seed": 0}
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS",
+                        [{"lo": 1, "hi": 256, "min_seq_len": 0, "keys": 128}])
+    llm = LLM(DEFAULT_MODEL_DIR, **kw)
+    cfg = attention._pick_config(40, 2, 2, 1, 512)  # the embedded model: 2 KV heads, GQA 2
+    assert cfg["part_tiles"] > 0 and cfg["num_splits"] == 4
+    vocab = llm.hf_config.vocab_size
+    prompts = _prompts(8, 44, vocab, 3, 300)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 44
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    outs = generate_without_sync(llm, prompts, params)
+    del llm
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", [])
+    plain = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -254,3 +254,105 @@ def test_the_gpus_two_loop_form_and_the_decode_one_loop(decode_one_loop, num_spl
     for cfg in ({"block_n": 16}, {"block_n": 64}):
         got = paged_attention(q, kv_cache, md, 0.25, num_splits=num_splits, config=cfg)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# -- fixed-size key partitions (DECODE_PARTITIONS): every split a fixed number of tiles --------
+
+@pytest.mark.parametrize("part_tiles", [1, 2, 3])
+def test_fixed_partitions_match_the_reference(part_tiles):
+    """Split s covers keys [s * part_tiles * block_n, ...): requests shorter than the launch
+    leave their last parts empty (a part of no keys merges as nothing), one ends exactly on a
+    part's end, a prefill chunk and a padding request ride along; NaN slots catch a stray
+    read. Under the interpreter (one masked loop) and in the GPU's two-loop form."""
+    from mrv2.kernels import attention
+
+    block_n = 16
+    reqs = [(0, 1), (15, 1), (2 * block_n * part_tiles - 1, 1), (70, 1), (9, 6), (200, 1)]
+    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, num_pad_tokens=2, seed=11)
+    num_splits = -(-md.max_seq_len // (part_tiles * block_n))  # the parts cover every key
+    expected = paged_attention_ref(q, kv_cache, md, 0.25)
+    cfg = {"block_n": block_n, "num_splits": num_splits, "part_tiles": part_tiles}
+    for one_loop in (True, False):
+        orig = attention._ONE_LOOP
+        attention._ONE_LOOP = one_loop
+        try:
+            got = paged_attention(q, kv_cache, md, 0.25, config=cfg)
+        finally:
+            attention._ONE_LOOP = orig
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # Evidence the parts are fixed, not equal shares: one split fewer than the longest
+    # request needs leaves its last keys unread (equal shares would still cover them).
+    part = part_tiles * block_n
+    fewer = -(-md.max_seq_len // part) - 1
+    short = paged_attention(q, kv_cache, md, 0.25, config={**cfg, "num_splits": fewer})
+    longest = max(range(len(reqs)), key=lambda b: sum(reqs[b]))
+    t = int(md.query_start_loc[longest])
+    assert not torch.allclose(short[t], expected[t], atol=1e-3)
+    covered = [int(md.query_start_loc[b]) for b in range(len(reqs))
+               if sum(reqs[b]) <= fewer * part and reqs[b][1] == 1]
+    assert covered
+    torch.testing.assert_close(short[covered], expected[covered], atol=1e-5, rtol=1e-5)
+
+
+def test_partition_rule_picks_parts_of_max_seq_len(monkeypatch):
+    """``partition_launch``: the first rule whose request range and ``min_seq_len`` hold sets
+    ``part_tiles`` = keys / block_n and ``num_splits`` = the parts of ``max_seq_len``; no
+    rule, or one part, leaves the launch alone; a hand-given split count turns it off."""
+    from mrv2.kernels import attention
+
+    rules = [{"lo": 33, "hi": 128, "min_seq_len": 1024, "keys": 256, "num_warps": 4},
+             {"lo": 129, "hi": 256, "keys": 512}]
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", rules)
+    base = {"block_n": 64, "num_splits": 1, "num_warps": 2, "num_stages": 3, "part_tiles": 0}
+    cfg = attention.partition_launch(dict(base), 64, 2048)
+    assert (cfg["part_tiles"], cfg["num_splits"], cfg["num_warps"]) == (4, 8, 4)
+    assert attention.partition_launch(dict(base), 64, 2000)["num_splits"] == 8   # 7.8 parts
+    assert attention.partition_launch(dict(base), 64, 1000) == base       # below min_seq_len
+    assert attention.partition_launch(dict(base), 32, 2048) == base       # no rule for 32
+    assert attention.partition_launch(dict(base), 200, 512) == base       # one part of 512
+    cfg = attention.partition_launch(dict(base), 200, 513)
+    assert (cfg["part_tiles"], cfg["num_splits"], cfg["num_warps"]) == (8, 2, 2)
+    # the GPU picker applies it to decode launches only (one query token a request)
+    monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(attention, "_num_sms", lambda: 132)
+    assert attention._pick_config(64, 8, 2, 1, 2048)["part_tiles"] == 4
+    assert attention._pick_config(64, 8, 2, 2, 2048)["part_tiles"] == 0
+
+
+def test_partition_rule_drives_the_launch(monkeypatch):
+    """With a rule on, ``paged_attention`` launches the partitioned kernel (the picker's
+    ``part_tiles`` reaches the kernel) and still equals the reference."""
+    from mrv2.kernels import attention
+
+    seen = []
+    orig = attention._pick_config
+
+    def pick(*args):
+        cfg = orig(*args)
+        cfg.update(block_n=16, num_splits=1, part_tiles=0, kv_fold=1)
+        attention.partition_launch(cfg, args[0], args[4])
+        seen.append(dict(cfg))
+        return cfg
+    monkeypatch.setattr(attention, "_pick_config", pick)
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", [{"lo": 1, "hi": 8, "keys": 32}])
+    reqs = [(3, 1), (100, 1), (40, 1), (64, 1)]
+    q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, seed=4)
+    got = paged_attention(q, kv_cache, md, 0.25)
+    assert (seen[-1]["part_tiles"], seen[-1]["num_splits"]) == (2, 4)    # 101 keys / 32
+    torch.testing.assert_close(got, paged_attention_ref(q, kv_cache, md, 0.25),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("part_tiles", [2, 4])
+def test_fixed_partitions_bf16_cuda(part_tiles):
+    # Qwen3-0.6B's shape, bf16, mixed decode contexts (1 key to 1,500), parts of 128 / 256 keys.
+    reqs = [(0, 1), (1500, 1), (127, 1), (128, 1), (700, 1), (31, 1), (1023, 1)]
+    q, kv_cache, md = make_batch(reqs, 16, 8, 128, num_pad_reqs=2, dtype=torch.bfloat16,
+                                 device="cuda")
+    splits = -(-md.max_seq_len // (64 * part_tiles))
+    got = paged_attention(q, kv_cache, md, 128 ** -0.5,
+                          config={"block_n": 64, "num_splits": splits, "part_tiles": part_tiles})
+    expected = paged_attention_ref(q, kv_cache, md, 128 ** -0.5)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(got[:len(reqs)]).all()

@@ -34,3 +34,21 @@ def test_tiny_run_records_every_step(tmp_path):
     assert res["run"]["output_tokens"] > 0
     assert sum(r["tokens"] for r in res["recs"]) >= res["run"]["output_tokens"]
     assert any(r["tokens"] > r["reqs"] for r in res["recs"])  # the prefills are seen
+
+
+def test_set_assigns_a_knob_before_the_run_and_refuses_a_typo(tmp_path, monkeypatch):
+    from mrv2.kernels import attention
+    s = _script()
+    rule = '[{"lo": 1, "hi": 8, "keys": 64}]'
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", [])
+    seen = {}
+    monkeypatch.setattr(s.llm_runs, "build_llm", lambda *a, **k: (
+        seen.setdefault("rules", list(attention.DECODE_PARTITIONS)), (_ for _ in ()).throw(
+            RuntimeError("stop"))))
+    with pytest.raises(RuntimeError, match="stop"):
+        s.main(["--tiny", "--out", str(tmp_path / "s.json"),
+                "--set", f"mrv2.kernels.attention:DECODE_PARTITIONS={rule}"])
+    assert seen["rules"] == [{"lo": 1, "hi": 8, "keys": 64}]
+    with pytest.raises(ValueError, match="no attribute"):
+        s.main(["--tiny", "--out", str(tmp_path / "s.json"),
+                "--set", "mrv2.kernels.attention:NO_SUCH_KNOB=1"])

@@ -27,8 +27,13 @@
 #      take the fused layers (4 kernels a layer) to 32 rows: then TPOT b24/b32 A/B
 #   E  host-bound v2,v1 with the fused layers (4 kernels a layer) for 17-256 rows, split or
 #      not (take it after A's chain at 128 / 256 rows says they are near cuBLAS)
+#   I  (session 19) fixed-size key partitions for mixed-context decode (attention.
+#      DECODE_PARTITIONS): the GPU tests, then the standard workload per step and batch
+#      bucket (scripts/standard_steps.py) with no rule / parts of 256 / of 512 keys / a
+#      ladder (256 up to 96 requests, 512 up to 192), ~8 min
+#   J  (session 19) the winner of I against no rule over fresh processes (standard), ~6 min
 set -uo pipefail
-part=${1:?part A-H}
+part=${1:?part A-J}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -96,5 +101,25 @@ H)
   py scripts/bench_skinny_fused.py --rows 24,32 --pdl --launch-sweep \
      --out "$OUT/small_m_launch_sweep.json"
   ;;
-*) echo "unknown part $part (A-H)"; exit 2 ;;
+I)
+  py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
+     tests/test_decode_attention.py
+  py -m pytest -q tests/test_gpu_async.py -k "partitions or sync_debug"
+  AP=mrv2.kernels.attention:DECODE_PARTITIONS
+  for v in "none=[]" \
+           "p256=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":256}]" \
+           "p512=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":512}]" \
+           "ladder=[{\"lo\":5,\"hi\":96,\"min_seq_len\":1024,\"keys\":256},{\"lo\":97,\"hi\":192,\"min_seq_len\":1024,\"keys\":512}]"; do
+    name=${v%%=*}; rule=${v#*=}
+    py scripts/standard_steps.py --set "$AP=$rule" --out "$OUT/standard_steps_$name.json"
+  done
+  ;;
+J)
+  RULE=${RULE:?RULE=the DECODE_PARTITIONS JSON to A/B}
+  py scripts/bench_processes.py --rounds ${ROUNDS:-3} --out "$OUT/bench_standard_partitions.json" \
+     --variant none="--set mrv2.kernels.attention:DECODE_PARTITIONS=[]" \
+     --variant parts="--set 'mrv2.kernels.attention:DECODE_PARTITIONS=$RULE'" \
+     -- bench throughput --workload standard --runner v2
+  ;;
+*) echo "unknown part $part (A-J)"; exit 2 ;;
 esac

@@ -91,6 +91,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
     req_order_ptr=None, HAS_ORDER: tl.constexpr = False,                      # optional
+    PART_TILES: tl.constexpr = 0,
 ):
     # NOTE: with PDL every input may come from the kernel before: wait first, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
@@ -139,8 +140,12 @@ def _paged_attention_kernel(
     q = q.to(kv_cache_ptr.dtype.element_ty)  # tl.dot wants both operands in one dtype
 
     # Key range of this program: [lo, hi); keys below full_end are visible to every row.
+    # A split is a fixed PART_TILES key tiles (``DECODE_PARTITIONS``), else an equal share.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
-    tiles_per_split = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
+    if PART_TILES > 0:
+        tiles_per_split = PART_TILES
+    else:
+        tiles_per_split = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
@@ -243,7 +248,7 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     else:
         block_q = max(1, 64 // group_pad)
     cfg = {"block_q": block_q, "block_n": 64, "num_splits": 1, "kv_fold": 1,
-           "num_warps": 4, "num_stages": 2}
+           "num_warps": 4, "num_stages": 2, "part_tiles": 0}
     if TRITON_INTERPRET:
         # NOTE: the interpreter pays per operation, not per element: few, wide tiles, and
         # as many KV heads per program as divide evenly (a power of two, <= 512 columns).
@@ -261,6 +266,39 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
         else:
             cfg.update(heuristic_decode_config(num_reqs, max_seq_len, num_kv_heads, _num_sms(),
                                                max_query_len, block_q))
+        if max_query_len == 1:
+            partition_launch(cfg, num_reqs, max_seq_len)
+    return cfg
+
+
+#: Fixed-size key partitions for decode launches (vLLM's paged attention v2 idea): rules
+#: ``{"lo", "hi", "min_seq_len", "keys"}`` (optionally ``num_warps`` / ``num_stages``); the
+#: first whose ``lo <= num_reqs <= hi`` and ``max_seq_len >= min_seq_len`` cuts every
+#: request's keys into parts of ``keys`` (a multiple of the key tile), one program each,
+#: merged as the splits are. Why: an equal split (or none) gives each program a share
+#: PROPORTIONAL to its request's length, so in a batch of mixed contexts (the standard
+#: workload's run from ~100 to ~2,000 keys) the longest request's programs run on alone
+#: once the others are done, and a launch of about one wave (64 requests x 8 KV heads on
+#: 528 program slots) lasts as long as its longest program. Fixed parts bound every program
+#: at ``keys``; requests shorter than the launch's ``max_seq_len`` leave their last parts
+#: empty (those programs store an empty part and stop). See ``partition_launch``.
+DECODE_PARTITIONS: list[dict] = []
+
+
+def partition_launch(cfg: dict, num_reqs: int, max_seq_len: int) -> dict:
+    """``cfg`` (a decode launch) with the first matching ``DECODE_PARTITIONS`` rule applied,
+    in place: ``part_tiles`` key tiles a split and ``num_splits`` = the parts of
+    ``max_seq_len``. Unchanged (``part_tiles`` 0) when no rule matches or one part holds
+    ``max_seq_len``. Host ints only: graph-safe, and the warm-up walks it."""
+    rule = next((r for r in DECODE_PARTITIONS if r["lo"] <= num_reqs <= r["hi"]
+                 and max_seq_len >= r.get("min_seq_len", 0)), None)
+    if rule is None:
+        return cfg
+    tiles = max(1, rule["keys"] // cfg["block_n"])
+    splits = triton.cdiv(max(max_seq_len, 1), tiles * cfg["block_n"])
+    if splits > 1:
+        cfg.update({k: rule[k] for k in ("num_warps", "num_stages") if k in rule})
+        cfg.update(num_splits=splits, part_tiles=tiles)
     return cfg
 
 
@@ -393,6 +431,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
                        block_d)
     if num_splits is not None:
         cfg["num_splits"] = num_splits
+    if num_splits is not None or "num_splits" in (config or {}):
+        cfg["part_tiles"] = 0   # a split count given by hand: equal shares unless told
     cfg.update(config or {})
     splits = cfg["num_splits"]
 
@@ -415,7 +455,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d, PDL=use_pdl, req_order_ptr=md.req_order,
-        HAS_ORDER=md.req_order is not None,
+        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"] if splits > 1 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:

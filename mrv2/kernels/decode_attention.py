@@ -123,7 +123,9 @@ def pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len:
                        if lo <= num_reqs <= hi), launch)
     if launch is not None:
         tiles = triton.cdiv(max(max_seq_len, 1), launch["block_n"])
-        cfg.update(launch, num_splits=min(launch["num_splits"], tiles))
+        cfg.update(launch, num_splits=min(launch["num_splits"], tiles), part_tiles=0)
+    if max_query_len == 1:  # a partition rule of this batch wins over both (its own rows)
+        attention.partition_launch(cfg, num_reqs, max_seq_len)
     return cfg
 
 
@@ -167,15 +169,18 @@ def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
 
 @triton.jit
 def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, CACHE: tl.constexpr, PART_TILES: tl.constexpr):
     # Request b's token t (q_len 0: graph padding), its seq_len, this split's keys [lo, hi)
     # and kv_hi: the cached ones below the new token (key seq_len - 1), which the kernel
     # adds from registers. CACHE=".cg": through L2 only (loads before the PDL wait).
+    # A split is PART_TILES key tiles (attention.DECODE_PARTITIONS), else an equal share.
     t = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
     q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - t
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    if PART_TILES > 0:
+        tiles = PART_TILES
+    else:
+        tiles = ((seq_len + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
     lo = split * tiles * BLOCK_N
     hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
     return t, q_len, seq_len, lo, hi, tl.minimum(hi, seq_len - 1)
@@ -242,7 +247,7 @@ def _decode_rope_attention_kernel(
     PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     FOLD_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PART_TILES: tl.constexpr = 0,
 ):
     # Program = (request, KV head x split of the keys). Request b decodes token t.
     b = tl.program_id(0)
@@ -260,7 +265,7 @@ def _decode_rope_attention_kernel(
         # was launched without PDL), so L2 holds their writes. NOTE: ".cg" loads, through
         # L2 only: an SM's L1 could still hold a line of the previous step's metadata.
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
-            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg")
+            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
         # NOTE: a padding row (no token) masks every key.
         k1_0, k2_0, v1_0, v2_0, n_ok_0 = _load_key_tile_body(
             lo, tl.where(q_len > 0, kv_hi, 0), b, kv_cache_ptr, block_table_ptr, kh, c, c_ok,
@@ -274,7 +279,7 @@ def _decode_rope_attention_kernel(
         gdc_launch_dependents()
     if not PREFETCH:
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
-            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "")
+            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "", PART_TILES)
     if q_len <= 0:  # graph padding: no token
         return
     new_pos = seq_len - 1                               # the new token's key index
@@ -455,6 +460,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
     block_half = max(16, triton.next_power_of_2(d // 2))
     cfg = pick_config(num_reqs, num_kv_heads, triton.next_power_of_2(group), 1, md.max_seq_len,
                       2 * block_half)
+    if "num_splits" in (config or {}):
+        cfg["part_tiles"] = 0   # a split count given by hand: equal shares unless told
     cfg.update(config or {})
     splits = cfg["num_splits"]
     part_acc, part_ml = attention.split_buffers(out, splits)
@@ -480,6 +487,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
+        PART_TILES=cfg.get("part_tiles", 0) if splits > 1 else 0,
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
