@@ -312,6 +312,13 @@ def test_partition_rule_picks_parts_of_max_seq_len(monkeypatch):
     assert attention.partition_launch(dict(base), 200, 512) == base       # one part of 512
     cfg = attention.partition_launch(dict(base), 200, 513)
     assert (cfg["part_tiles"], cfg["num_splits"], cfg["num_warps"]) == (8, 2, 2)
+    # a num_splits rule: equal shares (part_tiles 0), capped at the key tiles
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", [{"lo": 1, "hi": 9, "num_splits": 4}])
+    cfg = attention.partition_launch(dict(base), 5, 2048)
+    assert (cfg["part_tiles"], cfg["num_splits"]) == (0, 4)
+    assert attention.partition_launch(dict(base), 5, 100)["num_splits"] == 2
+    assert attention.partition_launch(dict(base), 5, 64) == base
+    monkeypatch.setattr(attention, "DECODE_PARTITIONS", rules)
     # the GPU picker applies it to decode launches only (one query token a request)
     monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
     monkeypatch.setattr(attention, "_num_sms", lambda: 132)

@@ -29,8 +29,8 @@
 #      not (take it after A's chain at 128 / 256 rows says they are near cuBLAS)
 #   I  (session 19) fixed-size key partitions for mixed-context decode (attention.
 #      DECODE_PARTITIONS): the GPU tests, then the standard workload per step and batch
-#      bucket (scripts/standard_steps.py) with no rule / parts of 256 / of 512 keys / a
-#      ladder (256 up to 96 requests, 512 up to 192), ~8 min
+#      bucket (scripts/standard_steps.py) with no rule / parts of 256 / of 512 keys / 4 equal
+#      shares at 33-128 requests / and 2 at 129-256, ~8 min
 #   J  (session 19) the winner of I against no rule over fresh processes (standard), ~6 min
 set -uo pipefail
 part=${1:?part A-J}
@@ -109,7 +109,8 @@ I)
   for v in "none=[]" \
            "p256=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":256}]" \
            "p512=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":512}]" \
-           "ladder=[{\"lo\":5,\"hi\":96,\"min_seq_len\":1024,\"keys\":256},{\"lo\":97,\"hi\":192,\"min_seq_len\":1024,\"keys\":512}]"; do
+           "eq4=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4}]" \
+           "eq42=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4},{\"lo\":129,\"hi\":256,\"min_seq_len\":1024,\"num_splits\":2}]"; do
     name=${v%%=*}; rule=${v#*=}
     py scripts/standard_steps.py --set "$AP=$rule" --out "$OUT/standard_steps_$name.json"
   done

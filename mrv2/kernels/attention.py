@@ -271,31 +271,37 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     return cfg
 
 
-#: Fixed-size key partitions for decode launches (vLLM's paged attention v2 idea): rules
-#: ``{"lo", "hi", "min_seq_len", "keys"}`` (optionally ``num_warps`` / ``num_stages``); the
-#: first whose ``lo <= num_reqs <= hi`` and ``max_seq_len >= min_seq_len`` cuts every
-#: request's keys into parts of ``keys`` (a multiple of the key tile), one program each,
-#: merged as the splits are. Why: an equal split (or none) gives each program a share
-#: PROPORTIONAL to its request's length, so in a batch of mixed contexts (the standard
-#: workload's run from ~100 to ~2,000 keys) the longest request's programs run on alone
-#: once the others are done, and a launch of about one wave (64 requests x 8 KV heads on
-#: 528 program slots) lasts as long as its longest program. Fixed parts bound every program
-#: at ``keys``; requests shorter than the launch's ``max_seq_len`` leave their last parts
-#: empty (those programs store an empty part and stop). See ``partition_launch``.
+#: Split rules for decode launches of mixed contexts: ``{"lo", "hi", "min_seq_len"}`` and
+#: either ``"keys"`` (fixed-size parts: vLLM's paged attention v2 idea) or ``"num_splits"``
+#: (equal shares), optionally ``num_warps`` / ``num_stages``. The first rule whose
+#: ``lo <= num_reqs <= hi`` and ``max_seq_len >= min_seq_len`` replaces the table's split.
+#: Why: the table was swept on batches of ONE context, where 64+ requests want no split.
+#: In a batch of mixed contexts (the standard workload's run from ~100 to ~2,000 keys) a
+#: program's share is proportional to its request's length, so a launch of about one wave
+#: (64 requests x 8 KV heads on 528 program slots) lasts as long as its longest program
+#: while the others' slots empty. Fixed parts bound every program at ``keys`` (requests
+#: shorter than the launch's ``max_seq_len`` leave their last parts empty: those programs
+#: store an empty part); equal shares just make more, shorter programs. See
+#: ``partition_launch`` and chapter 01.
 DECODE_PARTITIONS: list[dict] = []
 
 
 def partition_launch(cfg: dict, num_reqs: int, max_seq_len: int) -> dict:
     """``cfg`` (a decode launch) with the first matching ``DECODE_PARTITIONS`` rule applied,
     in place: ``part_tiles`` key tiles a split and ``num_splits`` = the parts of
-    ``max_seq_len``. Unchanged (``part_tiles`` 0) when no rule matches or one part holds
-    ``max_seq_len``. Host ints only: graph-safe, and the warm-up walks it."""
+    ``max_seq_len`` (a ``keys`` rule), or ``num_splits`` equal shares (``part_tiles`` 0).
+    Unchanged when no rule matches or the rule leaves one split. Host ints only:
+    graph-safe, and the warm-up walks it."""
     rule = next((r for r in DECODE_PARTITIONS if r["lo"] <= num_reqs <= r["hi"]
                  and max_seq_len >= r.get("min_seq_len", 0)), None)
     if rule is None:
         return cfg
-    tiles = max(1, rule["keys"] // cfg["block_n"])
-    splits = triton.cdiv(max(max_seq_len, 1), tiles * cfg["block_n"])
+    n_tiles = triton.cdiv(max(max_seq_len, 1), cfg["block_n"])
+    if "keys" in rule:
+        tiles = max(1, rule["keys"] // cfg["block_n"])
+        splits = triton.cdiv(n_tiles, tiles)
+    else:                      # equal shares: at least one key tile each
+        tiles, splits = 0, min(rule["num_splits"], n_tiles)
     if splits > 1:
         cfg.update({k: rule[k] for k in ("num_warps", "num_stages") if k in rule})
         cfg.update(num_splits=splits, part_tiles=tiles)
