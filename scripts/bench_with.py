@@ -65,7 +65,8 @@ def override_decode_launch(spec: dict) -> None:
         cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
         if spec["lo"] <= num_reqs <= spec["hi"]:
             tiles = triton.cdiv(max(max_seq_len, 1), spec["block_n"])
-            cfg.update(block_n=spec["block_n"], num_splits=min(spec["num_splits"], tiles))
+            cfg.update(block_n=spec["block_n"], num_splits=min(spec["num_splits"], tiles),
+                       part_tiles=0)   # equal shares (attention.DECODE_PARTITIONS is off here)
             cfg.update({k: spec[k] for k in ("num_warps", "num_stages") if k in spec})
         return cfg
     decode_attention.pick_config = pick
@@ -89,6 +90,8 @@ def override_paged_launch(spec: dict) -> None:
         cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
         if max_query_len == 1 and spec["lo"] <= num_reqs <= spec["hi"]:
             cfg.update({k: spec[k] for k in PAGED_KEYS if k in spec})
+            if "num_splits" in spec:
+                cfg["part_tiles"] = 0   # equal shares, as the table's splits
         return cfg
     attention._pick_config = pick
 
