@@ -107,10 +107,10 @@ I)
   py -m pytest -q tests/test_gpu_async.py -k "partitions or sync_debug"
   AP=mrv2.kernels.attention:DECODE_PARTITIONS
   for v in "none=[]" \
-           "p256=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":256}]" \
-           "p512=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":512}]" \
            "eq4=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4}]" \
-           "eq42=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4},{\"lo\":129,\"hi\":256,\"min_seq_len\":1024,\"num_splits\":2}]"; do
+           "p256=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":256}]" \
+           "eq42=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4},{\"lo\":129,\"hi\":256,\"min_seq_len\":1024,\"num_splits\":2}]" \
+           "p512=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":512}]"; do
     name=${v%%=*}; rule=${v#*=}
     py scripts/standard_steps.py --set "$AP=$rule" --out "$OUT/standard_steps_$name.json"
   done
