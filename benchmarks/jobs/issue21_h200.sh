@@ -103,8 +103,7 @@ H)
   ;;
 I)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
-     tests/test_decode_attention.py
-  py -m pytest -q tests/test_gpu_async.py -k "partitions or sync_debug"
+     tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
   AP=mrv2.kernels.attention:DECODE_PARTITIONS
   for v in "none=[]" \
            "eq4=[{\"lo\":33,\"hi\":128,\"min_seq_len\":1024,\"num_splits\":4}]" \
@@ -113,6 +112,7 @@ I)
            "p512=[{\"lo\":5,\"hi\":256,\"min_seq_len\":1024,\"keys\":512}]"; do
     name=${v%%=*}; rule=${v#*=}
     py scripts/standard_steps.py --set "$AP=$rule" --out "$OUT/standard_steps_$name.json"
+    n=$((${n:-0} + 1)); [ "$n" -ge "${VARIANTS:-5}" ] && break   # VARIANTS=3: the first 3
   done
   ;;
 J)
