@@ -169,15 +169,23 @@ def test_large_decode_batches_order_requests_without_a_sync_or_a_change(monkeypa
     monkeypatch.setattr(attention, "longest_first", spy)
     kw = {"dtype": "float32", "max_model_len": attention.ORDER_MIN_SEQ_LEN, "max_num_seqs": 72,
           "seed": 0}
+    _greedy_unsynced_equals_plain(
+        kw, 70, 6, (3, 90), lambda: monkeypatch.setattr(attention, "ORDER_ENABLED", False),
+        check_on=lambda llm: any(seen))  # the large decode graphs were captured with an order
+
+
+def _greedy_unsynced_equals_plain(kw, n, max_tokens, lens, turn_off, check_on=None):
+    """fp32 greedy tokens of ``n`` random prompts (lengths in ``lens``): an LLM built with
+    ``kw`` runs them (after a warm-up) with no sync; ``turn_off()``, then a fresh LLM gives
+    the same tokens. ``check_on(llm)`` asserts the path under test is on."""
     llm = LLM(DEFAULT_MODEL_DIR, **kw)
-    assert any(seen)  # the large decode graphs were captured with an order
-    vocab = llm.hf_config.vocab_size
-    prompts = _prompts(7, 70, vocab, 3, 90)
-    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 70
+    assert check_on is None or check_on(llm)
+    prompts = _prompts(7, n, llm.hf_config.vocab_size, *lens)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     outs = generate_without_sync(llm, prompts, params)
     del llm
-    monkeypatch.setattr(attention, "ORDER_ENABLED", False)
+    turn_off()
     plain = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
@@ -192,15 +200,7 @@ def test_fixed_key_partitions_without_a_sync_or_a_change(monkeypatch):
     kw = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 48, "seed": 0}
     monkeypatch.setattr(attention, "DECODE_PARTITIONS",
                         [{"lo": 1, "hi": 256, "min_seq_len": 0, "keys": 128}])
-    llm = LLM(DEFAULT_MODEL_DIR, **kw)
     cfg = attention._pick_config(40, 2, 2, 1, 512)  # the embedded model: 2 KV heads, GQA 2
     assert cfg["part_tiles"] > 0 and cfg["num_splits"] == 4
-    vocab = llm.hf_config.vocab_size
-    prompts = _prompts(8, 44, vocab, 3, 300)
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 44
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    outs = generate_without_sync(llm, prompts, params)
-    del llm
-    monkeypatch.setattr(attention, "DECODE_PARTITIONS", [])
-    plain = LLM(DEFAULT_MODEL_DIR, **kw).generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    _greedy_unsynced_equals_plain(
+        kw, 44, 8, (3, 300), lambda: monkeypatch.setattr(attention, "DECODE_PARTITIONS", []))
