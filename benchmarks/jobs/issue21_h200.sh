@@ -31,7 +31,9 @@
 #      DECODE_PARTITIONS): the GPU tests, then the standard workload per step and batch
 #      bucket (scripts/standard_steps.py) with no rule / parts of 256 / of 512 keys / 4 equal
 #      shares at 33-128 requests / and 2 at 129-256, ~8 min
-#   J  (session 19) the winner of I against no rule over fresh processes (standard), ~6 min
+#      Ran in session 19 on an H100 (VARIANTS=2, then p256 and a repeat of none by hand):
+#      no rule won (standard_steps_parts-*_job19I-*.json), so J was not needed.
+#   J  (session 19) a winner of I against no rule over fresh processes (standard), ~6 min
 set -uo pipefail
 part=${1:?part A-J}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1

@@ -283,6 +283,12 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
 #: shorter than the launch's ``max_seq_len`` leave their last parts empty: those programs
 #: store an empty part); equal shares just make more, shorter programs. See
 #: ``partition_launch`` and chapter 01.
+#: EMPTY (no rule), measured no faster: the standard workload's decode GPU time (session 19,
+#: job 19I, an H100 80GB; ``scripts/standard_steps.py --set``, one process a rule) was 6,638
+#: ms with no rule (6,638 again in a later process), 6,646 with 4 equal shares at 33-128
+#: requests (-1.1% to +1.5% in the buckets it touches) and 7,369 with parts of 256 keys at
+#: 5-256 requests (1-23% slower at every batch size; 8 mostly empty parts a request at 2,048
+#: keys, and a merge a layer). ``standard_steps_parts-*_job19I-*.json``.
 DECODE_PARTITIONS: list[dict] = []
 
 
