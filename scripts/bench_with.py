@@ -55,7 +55,7 @@ def override_decode_launch(spec: dict) -> None:
     """Patch ``decode_attention.pick_config`` for ``spec["lo"]``-``spec["hi"]`` requests."""
     import triton
 
-    from mrv2.kernels import decode_attention
+    from mrv2.kernels import attention, decode_attention
     missing = {"lo", "hi", "num_splits", "block_n"} - set(spec)
     if missing:
         raise ValueError(f"--decode-launch needs {sorted(missing)}")
@@ -65,9 +65,9 @@ def override_decode_launch(spec: dict) -> None:
         cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
         if spec["lo"] <= num_reqs <= spec["hi"]:
             tiles = triton.cdiv(max(max_seq_len, 1), spec["block_n"])
-            cfg.update(block_n=spec["block_n"], num_splits=min(spec["num_splits"], tiles),
-                       part_tiles=0)   # equal shares (attention.DECODE_PARTITIONS is off here)
-            cfg.update({k: spec[k] for k in ("num_warps", "num_stages") if k in spec})
+            attention.override_launch(cfg, {
+                "block_n": spec["block_n"], "num_splits": min(spec["num_splits"], tiles),
+                **{k: spec[k] for k in ("num_warps", "num_stages") if k in spec}})
         return cfg
     decode_attention.pick_config = pick
 
@@ -89,9 +89,7 @@ def override_paged_launch(spec: dict) -> None:
     def pick(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d=128):
         cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
         if max_query_len == 1 and spec["lo"] <= num_reqs <= spec["hi"]:
-            cfg.update({k: spec[k] for k in PAGED_KEYS if k in spec})
-            if "num_splits" in spec:
-                cfg["part_tiles"] = 0   # equal shares, as the table's splits
+            attention.override_launch(cfg, {k: spec[k] for k in PAGED_KEYS if k in spec})
         return cfg
     attention._pick_config = pick
 

@@ -259,7 +259,7 @@ def test_the_gpus_two_loop_form_and_the_decode_one_loop(decode_one_loop, num_spl
 # -- fixed-size key partitions (DECODE_PARTITIONS): every split a fixed number of tiles --------
 
 @pytest.mark.parametrize("part_tiles", [1, 2, 3])
-def test_fixed_partitions_match_the_reference(part_tiles):
+def test_fixed_partitions_match_the_reference(part_tiles, monkeypatch):
     """Split s covers keys [s * part_tiles * block_n, ...): requests shorter than the launch
     leave their last parts empty (a part of no keys merges as nothing), one ends exactly on a
     part's end, a prefill chunk and a padding request ride along; NaN slots catch a stray
@@ -273,12 +273,8 @@ def test_fixed_partitions_match_the_reference(part_tiles):
     expected = paged_attention_ref(q, kv_cache, md, 0.25)
     cfg = {"block_n": block_n, "num_splits": num_splits, "part_tiles": part_tiles}
     for one_loop in (True, False):
-        orig = attention._ONE_LOOP
-        attention._ONE_LOOP = one_loop
-        try:
-            got = paged_attention(q, kv_cache, md, 0.25, config=cfg)
-        finally:
-            attention._ONE_LOOP = orig
+        monkeypatch.setattr(attention, "_ONE_LOOP", one_loop)
+        got = paged_attention(q, kv_cache, md, 0.25, config=cfg)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # Evidence the parts are fixed, not equal shares: one split fewer than the longest
     # request needs leaves its last keys unread (equal shares would still cover them).

@@ -42,9 +42,11 @@ def test_set_assigns_a_knob_before_the_run_and_refuses_a_typo(tmp_path, monkeypa
     rule = '[{"lo": 1, "hi": 8, "keys": 64}]'
     monkeypatch.setattr(attention, "DECODE_PARTITIONS", [])
     seen = {}
-    monkeypatch.setattr(s.llm_runs, "build_llm", lambda *a, **k: (
-        seen.setdefault("rules", list(attention.DECODE_PARTITIONS)), (_ for _ in ()).throw(
-            RuntimeError("stop"))))
+
+    def build_llm(*args, **kwargs):  # the knob as the run would see it, then stop
+        seen["rules"] = list(attention.DECODE_PARTITIONS)
+        raise RuntimeError("stop")
+    monkeypatch.setattr(s.llm_runs, "build_llm", build_llm)
     with pytest.raises(RuntimeError, match="stop"):
         s.main(["--tiny", "--out", str(tmp_path / "s.json"),
                 "--set", f"mrv2.kernels.attention:DECODE_PARTITIONS={rule}"])

@@ -30,7 +30,12 @@ from mrv2.kernels.attention_table import (
     heuristic_decode_config,
     load_table,
 )
-from mrv2.kernels.attention_tile import _LOG2E, _attend_tile, _attend_tile_body  # noqa: F401 (book)
+from mrv2.kernels.attention_tile import (  # noqa: F401 (book)
+    _LOG2E,
+    _attend_tile,
+    _attend_tile_body,
+    split_key_range_body,
+)
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
@@ -140,14 +145,8 @@ def _paged_attention_kernel(
     q = q.to(kv_cache_ptr.dtype.element_ty)  # tl.dot wants both operands in one dtype
 
     # Key range of this program: [lo, hi); keys below full_end are visible to every row.
-    # A split is a fixed PART_TILES key tiles (``DECODE_PARTITIONS``), else an equal share.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
-    if PART_TILES > 0:
-        tiles_per_split = PART_TILES
-    else:
-        tiles_per_split = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
+    lo, hi = split_key_range_body(split, kv_end, NUM_SPLITS, BLOCK_N, PART_TILES)
     full_end = (ctx_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
     if ONE_LOOP:  # NOTE: the interpreter pays per operation: mask every tile, one loop
         full_end = 0
@@ -314,6 +313,18 @@ def partition_launch(cfg: dict, num_reqs: int, max_seq_len: int) -> dict:
     return cfg
 
 
+def override_launch(cfg: dict, overrides: dict) -> dict:
+    """``cfg`` (a picked launch) updated with ``overrides`` (a caller's or a benchmark's), in
+    place. A split count given without ``part_tiles`` means equal shares (part_tiles 0), and
+    one split has no parts (one compiled variant, whatever ``part_tiles`` said)."""
+    if "num_splits" in overrides:
+        cfg["part_tiles"] = 0
+    cfg.update(overrides)
+    if cfg["num_splits"] <= 1:
+        cfg["part_tiles"] = 0
+    return cfg
+
+
 #: Each decode token's keys in ONE loop, every tile masked (``MRV2_DECODE_ONE_LOOP=1``), instead
 #: of the full tiles first and the causal tile after. A loop is software-pipelined on its own
 #: (``num_stages`` tiles in flight), so with two loops a short decode context pays its tile
@@ -441,11 +452,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
     block_d = max(16, triton.next_power_of_2(head_dim))
     cfg = _pick_config(num_reqs, num_kv_heads, group_pad, md.max_query_len, md.max_seq_len,
                        block_d)
-    if num_splits is not None:
-        cfg["num_splits"] = num_splits
-    if num_splits is not None or "num_splits" in (config or {}):
-        cfg["part_tiles"] = 0   # a split count given by hand: equal shares unless told
-    cfg.update(config or {})
+    cfg = override_launch(cfg, {**({} if num_splits is None else {"num_splits": num_splits}),
+                                **(config or {})})
     splits = cfg["num_splits"]
 
     part_acc, part_ml = split_buffers(out, splits)
@@ -467,7 +475,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d, PDL=use_pdl, req_order_ptr=md.req_order,
-        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"] if splits > 1 else 0,
+        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:

@@ -1,9 +1,11 @@
-"""One key tile of paged attention's online softmax, shared by its kernels.
+"""One key tile of paged attention's online softmax, and a split's key range, shared by its kernels.
 
 ``paged_attention``'s kernel (every step kind) and ``decode_heads``' (large decode batches,
 several KV heads a program) both walk a request's keys a ``BLOCK_N`` tile at a time through
 the block table and fold each tile into a running (max, sum, weighted values) in fp32: this
-is that step, once. See ``mrv2/kernels/attention.py`` for the layout of its arguments.
+is that step, once. ``split_key_range`` is the keys one split of a request reads, for
+``paged_attention``'s and ``decode_attention``'s kernels alike. See
+``mrv2/kernels/attention.py`` for the layout of their arguments.
 """
 
 from __future__ import annotations
@@ -62,3 +64,21 @@ def _attend_tile(acc, m_i, l_i, q, start, seq_end, pos, b,
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches
 # triton.language (~1.6 ms a call); the kernel calls the helper's plain Python body there.
 _attend_tile_body = interpreter_body(_attend_tile)
+
+
+@triton.jit
+def split_key_range(split, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PART_TILES: tl.constexpr):
+    # Keys [lo, hi) of split `split` of a request whose keys end at kv_end: PART_TILES key
+    # tiles a split (attention.DECODE_PARTITIONS; later splits may be empty), else an equal
+    # share of the request's tiles.
+    if PART_TILES > 0:
+        tiles = PART_TILES
+    else:
+        tiles = ((kv_end + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = split * tiles * BLOCK_N
+    return lo, tl.minimum(lo + tiles * BLOCK_N, kv_end)
+
+
+# NOTE: the interpreter re-patches triton.language at every jit-helper call: a plain body.
+split_key_range_body = interpreter_body(split_key_range)

@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import attention, pdl
-from mrv2.kernels.attention_tile import _LOG2E
+from mrv2.kernels.attention_tile import _LOG2E, split_key_range_body
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
@@ -123,7 +123,7 @@ def pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len:
                        if lo <= num_reqs <= hi), launch)
     if launch is not None:
         tiles = triton.cdiv(max(max_seq_len, 1), launch["block_n"])
-        cfg.update(launch, num_splits=min(launch["num_splits"], tiles), part_tiles=0)
+        attention.override_launch(cfg, {**launch, "num_splits": min(launch["num_splits"], tiles)})
     if max_query_len == 1:  # a partition rule of this batch wins over both (its own rows)
         attention.partition_launch(cfg, num_reqs, max_seq_len)
     return cfg
@@ -173,16 +173,10 @@ def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.c
     # Request b's token t (q_len 0: graph padding), its seq_len, this split's keys [lo, hi)
     # and kv_hi: the cached ones below the new token (key seq_len - 1), which the kernel
     # adds from registers. CACHE=".cg": through L2 only (loads before the PDL wait).
-    # A split is PART_TILES key tiles (attention.DECODE_PARTITIONS), else an equal share.
     t = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
     q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - t
     seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
-    if PART_TILES > 0:
-        tiles = PART_TILES
-    else:
-        tiles = ((seq_len + BLOCK_N - 1) // BLOCK_N + NUM_SPLITS - 1) // NUM_SPLITS
-    lo = split * tiles * BLOCK_N
-    hi = tl.minimum(lo + tiles * BLOCK_N, seq_len)
+    lo, hi = split_key_range_body(split, seq_len, NUM_SPLITS, BLOCK_N, PART_TILES)
     return t, q_len, seq_len, lo, hi, tl.minimum(hi, seq_len - 1)
 
 
@@ -460,9 +454,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
     block_half = max(16, triton.next_power_of_2(d // 2))
     cfg = pick_config(num_reqs, num_kv_heads, triton.next_power_of_2(group), 1, md.max_seq_len,
                       2 * block_half)
-    if "num_splits" in (config or {}):
-        cfg["part_tiles"] = 0   # a split count given by hand: equal shares unless told
-    cfg.update(config or {})
+    cfg = attention.override_launch(cfg, config or {})
     splits = cfg["num_splits"]
     part_acc, part_ml = attention.split_buffers(out, splits)
     use_norm = q_weight is not None
@@ -487,7 +479,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
-        PART_TILES=cfg.get("part_tiles", 0) if splits > 1 else 0,
+        PART_TILES=cfg["part_tiles"],
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
