@@ -34,8 +34,11 @@
 #      Ran in session 19 on an H100 (VARIANTS=2, then p256 and a repeat of none by hand):
 #      no rule won (standard_steps_parts-*_job19I-*.json), so J was not needed.
 #   J  (session 19) a winner of I against no rule over fresh processes (standard), ~6 min
+#   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
+#      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
+#      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-J}
+part=${1:?part A-K}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -124,5 +127,14 @@ J)
      --variant parts="--set 'mrv2.kernels.attention:DECODE_PARTITIONS=$RULE'" \
      -- bench throughput --workload standard --runner v2
   ;;
-*) echo "unknown part $part (A-J)"; exit 2 ;;
+K)
+  py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
+     tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
+  py -m mrv2 bench decode --batch-sizes 1,4,16,32 --contexts 192 --max-model-len 256 \
+     --out "$OUT/decode_steps_latency_shape.json"
+  py -m mrv2 bench decode --batch-sizes 64,256 --contexts 96 --max-model-len 256 \
+     --out "$OUT/decode_steps_hostbound_shape.json"
+  bash "$0" H
+  ;;
+*) echo "unknown part $part (A-K)"; exit 2 ;;
 esac
