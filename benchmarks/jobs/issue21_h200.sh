@@ -34,11 +34,14 @@
 #      Ran in session 19 on an H100 (VARIANTS=2, then p256 and a repeat of none by hand):
 #      no rule won (standard_steps_parts-*_job19I-*.json), so J was not needed.
 #   J  (session 19) a winner of I against no rule over fresh processes (standard), ~6 min
+#   L  (session 20) small_m_resident (Gluon, weights in the MMA's registers before the PDL
+#      wait): its GPU tests, the 28-layer chain against small_m_fused and cuBLAS at 4-64 rows
+#      with a launch sweep at 32, the sync-debug loop with it on, then K's tests
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-K}
+part=${1:?part A-L}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -127,6 +130,14 @@ J)
      --variant parts="--set 'mrv2.kernels.attention:DECODE_PARTITIONS=$RULE'" \
      -- bench throughput --workload standard --runner v2
   ;;
+L)
+  py -m pytest -q tests/test_small_m_resident.py
+  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep ${SWEEP_ROWS:-32} \
+     --out "$OUT/resident_chain.json"
+  MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
+     tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -136,5 +147,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-K)"; exit 2 ;;
+*) echo "unknown part $part (A-L)"; exit 2 ;;
 esac

@@ -1,0 +1,290 @@
+"""The fused decode GEMMs for 3 to 64 rows with each program's weights in REGISTERS before the PDL wait.
+
+``skinny_stream`` showed what a decode GEMM needs at 1-2 rows: a program issues the loads of
+ALL its weights before ``griddepcontrol.wait``, so the weight stream of kernel i+1 runs
+while kernel i drains, and what is left after the wait is a short tail on activations
+(the 28-layer chain 652 -> 414 us at one row, H200). From 3 rows the multiply needs tensor
+cores, and ``small_m_fused`` loads its weights tile by tile after the wait: its chain takes
+712-731 us at 4-16 rows and 1,005 at 32 (cuBLAS 871). A plain Triton kernel cannot hold its
+weights in the MMA's operand registers: ``tl.load`` gives a blocked layout that the compiler
+converts through shared memory after the wait (session 16, 131a7ef, reverted).
+
+This module writes the kernel in **Gluon** (Triton's lower-level dialect, where the layout of
+every tensor is ours to choose), so the weight tile is loaded straight into the ``mma.sync``
+B-operand layout (``DotOperandLayout(1, ...)``, 8 consecutive K elements a thread: 16-byte
+``ld.global.v4`` loads, no shared memory, no conversion). One program:
+
+1. owns ``BLOCK_N`` output columns (8 or 16: ``m16n8k16``'s N is 8, so N = 1024 gets 128
+   programs, about one an SM) over all of K. Its warps split K: warp ``s`` holds rows
+   ``s * KS .. (s + 1) * KS`` of each ``KCH``-wide chunk of W^T, a batched ``[S, KS, BLOCK_N]``
+   operand (``S`` = warps). K is ``NCH`` chunks of ``KCH`` (a power of two; up to 4 chunks,
+   so K = 3,072 is three chunks of 1,024);
+2. issues those loads (and, for gate_up, the up rows'), then waits for the previous kernel;
+3. for each block of 16 rows: loads x in the A-operand layout (from L2), the RMSNorm's
+   inverse RMS over all of K, the normed rows; one batched ``mma_v2`` per chunk gives each
+   warp its K-slice's partial ``[16, BLOCK_N]``; ``sum`` over the warps (through shared memory,
+   a few KB); the epilogue (bias, SiLU * up, the residual add) and the store.
+
+Same entry points, operations and roundings as ``small_m_fused`` (whose ``_run`` routes here
+when ``fits``); the sums over K run in another order, so the two agree within fp32 rounding.
+bf16 / fp16 only (``mma_v2`` would take fp32 as TF32: the fp32 path stays on
+``small_m_fused``); CUDA only: Gluon has no interpreter, so the CPU tests compile it for sm_90
+and check the PTX (the weight loads before the wait), and the GPU tests check the numbers.
+The torch references are ``skinny_fused``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from mrv2.kernels import pdl
+from mrv2.platform import TRITON_INTERPRET, env_switch
+
+#: Route ``small_m_fused``'s entry points here where ``fits``: on a GPU unless
+#: ``MRV2_RESIDENT_GEMM=0``. OFF until the H200 chain says it wins (a bench sets it).
+ENABLED: bool = env_switch("MRV2_RESIDENT_GEMM", False) and not TRITON_INTERPRET
+#: The most rows a launch takes (16-row blocks, one after another, weights still resident).
+MAX_M = 64
+#: The widest K chunk (a power of two); K must be at most ``MAX_CHUNKS`` of them.
+MAX_KCH = 1024
+MAX_CHUNKS = 4
+#: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps. PROVISIONAL
+#: (the GPU sweep, ``scripts/bench_resident_chain.py --sweep``, measures them). Each sizes the
+#: weights a program holds: BLOCK_N x K (x 2 for gate_up) over 32 x warps threads.
+LAUNCH = {"norm": (16, 8), "add": (8, 8), "gate_up": (8, 8)}
+
+
+@gluon.jit
+def _gdc_wait():
+    # griddepcontrol.wait / launch_dependents (mrv2.kernels.pdl's contract), as Gluon asm.
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dims3(L: gl.constexpr, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr):
+    # Index vectors of a [A, B, C] tensor in layout L, as [A,1,1], [1,B,1], [1,1,C].
+    a = gl.arange(0, A, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    b = gl.arange(0, B, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    return (gl.expand_dims(gl.expand_dims(a, 1), 2), gl.expand_dims(gl.expand_dims(b, 0), 2),
+            gl.expand_dims(gl.expand_dims(c, 0), 1))
+
+
+@gluon.jit
+def _normed(x, nw_ptrs, rstd3, c: gl.constexpr, KCH: gl.constexpr, NORM: gl.constexpr):
+    # Chunk c of the rows' activations [S, 16, KS] (A-operand layout), normed.
+    if NORM:
+        nw = gl.load(nw_ptrs + c * KCH).to(gl.float32)                     # [S, 1, KS]
+        # NOTE: rounded to x's dtype, as the unfused rms_norm writes it for the GEMM.
+        x = ((x.to(gl.float32) * rstd3) * nw).to(x.dtype)
+    return x
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+# NOTE: ``gl.sum`` wraps triton.language's sum, whose combine function is an interpreted one
+# when TRITON_INTERPRET=1 (the CPU tests compile this kernel for sm_90 in that process):
+# a reduce with our own combine compiles either way.
+@gluon.jit
+def _sum(x, axis: gl.constexpr):
+    return gl.reduce(x, axis, _add)
+
+
+@gluon.jit
+def _sum_sq(x):
+    # [S, 16, KS] -> [16]: each row's sum of squares over this chunk, all warps' slices.
+    xf = x.to(gl.float32)
+    return _sum(_sum(xf * xf, 2), 0)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _resident_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
+    out_ptr,                                            # output [M, N] (may BE residual)
+    M, N, K, eps,
+    stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
+    NORM: gl.constexpr, GATE_UP: gl.constexpr, ADD_RESIDUAL: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, KCH: gl.constexpr, NCH: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    S: gl.constexpr = gl.num_warps()
+    KS: gl.constexpr = KCH // S                 # a warp's K rows of each chunk
+    # mma.sync m16n8k16, batched over the warps: warp s owns batch s (its K-slice).
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[S, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    XL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    WL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+    # The epilogue's [16, BLOCK_N] tile: lanes across columns, then rows.
+    TN: gl.constexpr = BLOCK_N if BLOCK_N < 32 else 32
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TN, TN], [S, 1], [1, 0])
+    pid = gl.program_id(0)
+
+    # 1. This program's weights, W^T as [S, KS, BLOCK_N] per chunk, in the B-operand layout.
+    ws, wk, wn = _dims3(WL, S, KS, BLOCK_N)
+    # NOTE: the last column block wraps onto real rows of W (n % N): unmasked weight loads.
+    n_w = (pid * BLOCK_N + wn) % N
+    w_ptrs = w_ptr + n_w.to(gl.int64) * stride_wn + ws * KS + wk            # [S, KS, BN]
+    up = N * stride_wn                                                      # gate -> up rows
+    w0 = gl.load(w_ptrs)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NCH > 1:
+        w1 = gl.load(w_ptrs + KCH)
+    if NCH > 2:
+        w2 = gl.load(w_ptrs + 2 * KCH)
+    if NCH > 3:
+        w3 = gl.load(w_ptrs + 3 * KCH)
+    u0 = w0
+    u1 = w0
+    u2 = w0
+    u3 = w0
+    if GATE_UP:
+        u0 = gl.load(w_ptrs + up)
+        if NCH > 1:
+            u1 = gl.load(w_ptrs + up + KCH)
+        if NCH > 2:
+            u2 = gl.load(w_ptrs + up + 2 * KCH)
+        if NCH > 3:
+            u3 = gl.load(w_ptrs + up + 3 * KCH)
+    # 2. Only now wait for the kernel that wrote x (and the residual).
+    if PDL:
+        _gdc_wait()
+
+    xs, xm, xk = _dims3(XL, S, 16, KS)
+    x_k = xs * KS + xk                                                      # [S, 1, KS]
+    nw_ptrs = norm_w_ptr + x_k
+    om = gl.arange(0, 16, layout=gl.SliceLayout(1, OL))
+    on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
+    n_ok = on < N
+    bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
+    bias_up = bias
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + on, mask=n_ok, other=0.0).to(gl.float32)
+        if GATE_UP:
+            bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
+
+    # 3. Sixteen rows at a time.
+    for m0 in range(0, M, 16):
+        rows = m0 + xm                                                      # [1, 16, 1]
+        row_ok = rows < M
+        x_ptrs = x_ptr + rows.to(gl.int64) * stride_xm + x_k                # [S, 16, KS]
+        # Each chunk of x loaded once: the mean square needs all of K before the products.
+        x0 = gl.load(x_ptrs, mask=row_ok, other=0.0)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if NCH > 1:
+            x1 = gl.load(x_ptrs + KCH, mask=row_ok, other=0.0)
+        if NCH > 2:
+            x2 = gl.load(x_ptrs + 2 * KCH, mask=row_ok, other=0.0)
+        if NCH > 3:
+            x3 = gl.load(x_ptrs + 3 * KCH, mask=row_ok, other=0.0)
+        rstd3 = gl.full([1, 16, 1], 1.0, gl.float32, layout=XL)
+        if NORM:  # each row's inverse RMS over ALL of K: every chunk, every warp's slice
+            ss = _sum_sq(x0)                                                # [16]
+            if NCH > 1:
+                ss += _sum_sq(x1)
+            if NCH > 2:
+                ss += _sum_sq(x2)
+            if NCH > 3:
+                ss += _sum_sq(x3)
+            rstd = gl.rsqrt(ss / K + eps)
+            rstd3 = gl.expand_dims(gl.expand_dims(rstd, 0), 2)              # [1, 16, 1]
+        acc = gl.zeros([S, 16, BLOCK_N], gl.float32, layout=MMA)           # [S, 16, BN]
+        acc_up = acc
+        x = _normed(x0, nw_ptrs, rstd3, 0, KCH, NORM)
+        acc = mma_v2(x, w0, acc)
+        if GATE_UP:
+            acc_up = mma_v2(x, u0, acc_up)
+        if NCH > 1:
+            x = _normed(x1, nw_ptrs, rstd3, 1, KCH, NORM)
+            acc = mma_v2(x, w1, acc)
+            if GATE_UP:
+                acc_up = mma_v2(x, u1, acc_up)
+        if NCH > 2:
+            x = _normed(x2, nw_ptrs, rstd3, 2, KCH, NORM)
+            acc = mma_v2(x, w2, acc)
+            if GATE_UP:
+                acc_up = mma_v2(x, u2, acc_up)
+        if NCH > 3:
+            x = _normed(x3, nw_ptrs, rstd3, 3, KCH, NORM)
+            acc = mma_v2(x, w3, acc)
+            if GATE_UP:
+                acc_up = mma_v2(x, u3, acc_up)
+        # The warps' K-slices summed: [16, BLOCK_N], then the unfused path's roundings
+        # (as fused_epilogue.round_product / store_output, which are Triton, not Gluon).
+        y = gl.convert_layout(_sum(acc, 0), OL) + gl.expand_dims(bias, 0)
+        DT: gl.constexpr = out_ptr.dtype.element_ty
+        y = y.to(DT).to(gl.float32)
+        if GATE_UP:
+            g_up = gl.convert_layout(_sum(acc_up, 0), OL) + gl.expand_dims(bias_up, 0)
+            silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
+            y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
+        o_rows = gl.expand_dims(m0 + om, 1)                                 # [16, 1]
+        mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
+        cols = gl.expand_dims(on, 0)
+        if ADD_RESIDUAL:
+            # NOTE: in place is race-free: a program reads and writes only its own columns.
+            r = gl.load(residual_ptr + o_rows * stride_rm + cols, mask=mask, other=0.0)
+            y = y + r.to(gl.float32)
+        gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
+
+
+def chunks(K: int) -> tuple[int, int] | None:
+    """``(KCH, NCH)``: K as NCH chunks of a power-of-two KCH <= MAX_KCH, or None if it is not
+    (K = 1024 -> (1024, 1); 3072 -> (1024, 3); 1536 -> (512, 3); 5000 -> None)."""
+    kch = K & -K                                     # the largest power of two dividing K
+    kch = min(kch, MAX_KCH)
+    nch = K // kch if kch else 0
+    return (kch, nch) if kch and 1 <= nch <= MAX_CHUNKS else None
+
+
+def launch(kind: str, K: int) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` for an op kind at K: ``LAUNCH``'s, fewer warps when a
+    warp's K-slice of a chunk would be under the 16 an ``mma`` needs."""
+    block_n, warps = LAUNCH[kind]
+    kch, _ = chunks(K) or (MAX_KCH, 1)
+    while warps > 1 and kch // warps < 16:
+        warps //= 2
+    return block_n, warps
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:
+    """Whether this kernel takes a call (shapes, dtypes, device only: graph-safe)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_M
+            and chunks(K) is not None and chunks(K)[0] >= 16 and weight.stride(1) == 1)
+
+
+def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
+        config: dict | None = None) -> torch.Tensor:
+    """One fused GEMM (``small_m_fused._run``'s arguments, checked there): see the module.
+
+    Args:
+        config: overrides ``{"block_n": 8 | 16 | 32, "num_warps": 1-16}``.
+    """
+    M, K = x.shape
+    kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
+    block_n, warps = launch(kind, K)
+    cfg = {"block_n": block_n, "num_warps": warps, **(config or {})}
+    kch, nch = chunks(K)
+    use_pdl = pdl.use_pdl(x.device)
+    r = residual if residual is not None else out
+    _resident_kernel[(triton.cdiv(N, cfg["block_n"]),)](
+        x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, r, out,
+        M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
+        NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], KCH=kch, NCH=nch, PDL=use_pdl,
+        num_warps=cfg["num_warps"], **pdl.launch_kwargs(use_pdl))
+    return out

@@ -1,0 +1,119 @@
+"""Time the 28-layer decode GEMM chain through ``mrv2.kernels.small_m_resident`` (GPU).
+
+The chain of ``scripts/bench_skinny_fused.py`` (each layer: norm + qkv, o_proj + add, norm +
+gate_up + SiLU * up, down + add, on distinct Qwen3-0.6B-shaped bf16 weights, one CUDA graph,
+attention left out) at the rows given, three runners in one process:
+
+* ``cublas``: the model's unfused layers (norm kernels, ``F.linear``, ``silu_and_mul``);
+* ``fused_pdl``: ``small_m_fused``'s tensor-core kernels with PDL (weights tile by tile
+  after the wait);
+* ``resident_pdl``: the same entry points routed to ``small_m_resident`` (each program's
+  weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``.
+
+``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` per op kind (BLOCK_N x warps), the other
+kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
+
+    python scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep 32 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mrv2  # noqa: F401, E402, I001  (before Triton: the interpreter switch)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import bench_skinny_fused as chain_bench  # noqa: E402
+from mrv2.bench.report import environment  # noqa: E402
+from mrv2.kernels import small_m_fused, small_m_resident  # noqa: E402
+
+KINDS = ("norm", "add", "gate_up")
+SWEEP = list(itertools.product((8, 16, 32), (4, 8, 16)))
+
+
+def _resident(run, on: bool):
+    """``run`` with ``small_m_resident.ENABLED`` forced on or off."""
+    return chain_bench._forcing(small_m_resident, "ENABLED", on, run)
+
+
+def _runners() -> dict:
+    fused = chain_bench._with_split(chain_bench._with_pdl(
+        chain_bench._fused_with(small_m_fused.SMALL_M_OPS), True), False)
+    return {"cublas": _resident(chain_bench._with_pdl(chain_bench._unfused(F.linear), False),
+                                False),
+            "fused_pdl": _resident(fused, False), "resident_pdl": _resident(fused, True)}
+
+
+def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
+    """The chain per runner at each row count, then the sweep at ``sweep_rows``:
+    ``{"chain", "sweep", ...}``."""
+    ws = chain_bench._weights(layers, 1, "cuda", torch.bfloat16)
+    mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
+    out = {"chain": [], "sweep": [], "weight_mb": mb, "layers": layers,
+           "launch_default": dict(small_m_resident.LAUNCH)}
+    runners = _runners()
+    for m in rows:
+        h = torch.randn(m, chain_bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
+        attn = torch.randn(m, chain_bench.ATTN, device="cuda", dtype=torch.bfloat16)
+        got = {}
+        for label, fn in runners.items():
+            got[label] = fn(h, attn, ws).float()           # compiles, and the numbers
+            us = chain_bench._graph_us(fn, (h, attn, ws), False)
+            row = {"M": m, "runner": label, "us_per_step": us}
+            if label == "resident_pdl":
+                row["max_abs_diff_vs_fused"] = (got[label] - got["fused_pdl"]).abs().max().item()
+                row["max_abs_fused"] = got["fused_pdl"].abs().max().item()
+            out["chain"].append(row)
+        print(f"chain M={m} ({layers} layers, {mb:.0f} MB): " + "  ".join(
+            f"{r['runner']} {r['us_per_step']:7.1f} us" for r in out["chain"][-3:]), flush=True)
+        if m not in sweep_rows:
+            continue
+        base = out["chain"][-1]["us_per_step"]
+        for kind in KINDS:
+            for block_n, warps in SWEEP:
+                saved = small_m_resident.LAUNCH[kind]
+                small_m_resident.LAUNCH[kind] = (block_n, warps)
+                try:
+                    runners["resident_pdl"](h, attn, ws)
+                    us = chain_bench._graph_us(runners["resident_pdl"], (h, attn, ws), False)
+                except Exception as e:  # noqa: BLE001  (a launch that does not fit: recorded)
+                    us = None
+                    print(f"  {kind} {block_n}x{warps}: {type(e).__name__}: {str(e)[:80]}")
+                finally:
+                    small_m_resident.LAUNCH[kind] = saved
+                out["sweep"].append({"M": m, "kind": kind, "block_n": block_n,
+                                     "num_warps": warps, "us_per_step": us})
+                print(f"  sweep M={m} {kind:>7} block_n={block_n:2d} warps={warps:2d}: "
+                      f"{'failed' if us is None else f'{us:7.1f} us'} (default {base:7.1f})",
+                      flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="4,8,16,24,32,48,64")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--sweep", default="", help="rows to sweep LAUNCH per op kind at, e.g. 32")
+    ap.add_argument("--out", default=None, help="JSON path")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_resident_chain needs a CUDA GPU (Gluon has no interpreter)")
+    result = {"benchmark": "resident_chain", **environment(),
+              **run([int(r) for r in args.rows.split(",")], args.layers,
+                     [int(r) for r in args.sweep.split(",") if r])}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The register-resident fused decode GEMMs (Gluon, 3-64 rows) against the torch references.
+
+Gluon has no interpreter, so on the CPU the kernel is compiled for sm_90 (PTX, no GPU) and
+the PTX is checked for the property the kernel exists for: every weight load of a program is
+a 16-byte ``ld.global.v4`` issued before ``griddepcontrol.wait``, and the products are
+``mma.sync``. The numbers are checked on the GPU: bf16 at the Qwen3-0.6B shapes and ragged
+ones against ``skinny_fused``'s references and ``small_m_fused``'s kernel, the in-place add,
+and a two-layer chain in a CUDA graph with PDL equal to the eager chain.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+from device_utils import qwen3_layer_weights
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2.kernels import small_m_fused, small_m_resident
+from mrv2.kernels.skinny_fused import (
+    skinny_linear_add_ref,
+    skinny_norm_gate_up_silu_ref,
+    skinny_norm_linear_ref,
+)
+from mrv2.kernels.small_m_fused import (
+    small_m_linear_add,
+    small_m_norm_gate_up_silu,
+    small_m_norm_linear,
+)
+from mrv2.platform import HAS_CUDA
+
+
+def test_chunks_split_k_into_power_of_two_chunks():
+    assert small_m_resident.chunks(1024) == (1024, 1)
+    assert small_m_resident.chunks(2048) == (1024, 2)
+    assert small_m_resident.chunks(3072) == (1024, 3)
+    assert small_m_resident.chunks(1536) == (512, 3)
+    assert small_m_resident.chunks(96) == (32, 3)
+    assert small_m_resident.chunks(5120) is None          # 5 chunks of 1024: more than 4
+    assert small_m_resident.chunks(300) is None           # 75 chunks of 4
+
+
+def test_launch_keeps_a_warp_slice_of_16_keys():
+    assert small_m_resident.launch("add", 3072) == small_m_resident.LAUNCH["add"]
+    # K = 96 is chunks of 32: at most 2 warps (16 keys of each chunk a warp).
+    assert small_m_resident.launch("norm", 96)[1] == 2
+
+
+def test_fits_only_cuda_half_types_and_whole_chunks():
+    x = torch.zeros(4, 1024)
+    w = torch.zeros(64, 1024)
+    assert not small_m_resident.fits(x, w, 1024)                      # CPU, fp32
+    assert not small_m_resident.fits(x.bfloat16(), w.bfloat16(), 1024)  # CPU
+
+
+def test_off_by_default_and_the_fused_path_unchanged():
+    assert small_m_resident.ENABLED is (os.environ.get("MRV2_RESIDENT_GEMM") == "1")
+
+
+# --- the compiled kernel (CPU: sm_90 PTX) -------------------------------------------------
+
+def _ptx(M, N, K, *, norm, gate_up, add):
+    """The PTX of one launch at these shapes (bf16, PDL on), compiled for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    import triton
+
+    bf = torch.bfloat16
+    x = torch.randn(M, K, dtype=bf)
+    w = torch.randn(2 * N if gate_up else N, K, dtype=bf)
+    out = torch.empty(M, N, dtype=bf)
+    block_n, warps = small_m_resident.launch("gate_up" if gate_up else "add" if add else
+                                             "norm", K)
+    kch, nch = small_m_resident.chunks(K)
+    args = (x, torch.ones(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
+    kwargs = dict(NORM=norm, GATE_UP=gate_up, ADD_RESIDUAL=add, HAS_BIAS=False,
+                  BLOCK_N=block_n, KCH=kch, NCH=nch, PDL=True, num_warps=warps,
+                  launch_pdl=True, debug=False, instrumentation_mode="")
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    fn = small_m_resident._resident_kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    return kernel.asm["ptx"], block_n, warps
+
+
+@pytest.mark.parametrize("N,K,norm,gate_up,add", [
+    (4096, 1024, True, False, False),    # input norm + qkv
+    (1024, 2048, False, False, True),    # o_proj + residual add
+    (3072, 1024, True, True, False),     # post-attention norm + gate_up + SiLU * up
+    (1024, 3072, False, False, True),    # down + residual add (three K chunks)
+])
+def test_sm90_ptx_loads_every_weight_before_the_wait(N, K, norm, gate_up, add):
+    ptx, block_n, warps = _ptx(16, N, K, norm=norm, gate_up=gate_up, add=add)
+    assert ptx.count("griddepcontrol.wait") == 1
+    before, after = ptx.split("griddepcontrol.wait")
+    # A thread's share of the program's weights, 8 bf16 (16 bytes) a load.
+    weights = block_n * K * (2 if gate_up else 1) // (32 * warps)
+    v4 = r"ld\.global(?:\.[a-z0-9_]+)*\.v4\.b32"
+    assert len(re.findall(v4, before)) == weights // 8
+    # ... and after it only the activations' (a thread's share of x, 16 rows x K) and, with
+    # the norm, the norm weight's (a thread holds 2 of the 16 rows: half as many K columns).
+    x_loads = 16 * K // (32 * warps) // 8
+    assert len(re.findall(v4, after)) == x_loads + (x_loads // 2 if norm else 0)
+    # The products: m16n8k16 per 16 keys of a warp's slice, per 8 columns (x 2 for gate_up).
+    mmas = (K // warps // 16) * (block_n // 8) * (2 if gate_up else 1)
+    assert after.count("mma.sync.aligned.m16n8k16") == mmas
+    assert "mma.sync" not in before
+
+
+# --- the GPU ------------------------------------------------------------------------------
+
+def _resident_on(monkeypatch):
+    monkeypatch.setattr(small_m_resident, "ENABLED", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
+@pytest.mark.parametrize("M", [3, 4, 16, 17, 32, 33, 64])
+def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
+    """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
+    small_m_fused's own kernel (the same roundings, another summation order)."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, 1024, generator=g, **kw)
+    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
+    attn = torch.randn(M, 2048, generator=g, **kw)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(small_m_resident, "ENABLED", on)
+        q = small_m_norm_linear(x, nw, 1e-6, qkv)
+        act = small_m_norm_gate_up_silu(x, nw, 1e-6, gate_up)
+        r1 = small_m_linear_add(attn, o, x.clone())
+        r2 = small_m_linear_add(act, down, x.clone())
+        outs[on] = (q, act, r1, r2)
+    q, act, r1, r2 = outs[True]
+    torch.testing.assert_close(q, skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
+    torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
+    torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
+    torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
+@pytest.mark.parametrize("M,N,K,bias", [(5, 40, 96, True), (3, 1000, 512, False),
+                                        (20, 24, 1536, True), (64, 8, 64, True)])
+def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatch):
+    """N not a multiple of the column block (wrapped loads, masked stores), K of 3 chunks,
+    bias, rows past one block; the add into a row-strided view of a wider buffer."""
+    _resident_on(monkeypatch)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g, **kw)
+    nw = 1 + 0.1 * torch.randn(K, generator=g, **kw)
+    w = torch.randn(N, K, generator=g, **kw) / K ** 0.5
+    w2 = torch.randn(2 * N, K, generator=g, **kw) / K ** 0.5
+    b = torch.randn(N, generator=g, **kw) if bias else None
+    b2 = torch.randn(2 * N, generator=g, **kw) if bias else None
+    assert small_m_resident.fits(x, w, K)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, w, b),
+                               skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
+    torch.testing.assert_close(small_m_norm_gate_up_silu(x, nw, 1e-6, w2, b2),
+                               skinny_norm_gate_up_silu_ref(x, nw, 1e-6, w2, b2), **tol)
+    wide = torch.randn(M, N + 16, generator=g, **kw)
+    view = wide[:, 8:8 + N]
+    ref = skinny_linear_add_ref(x, w, view.clone(), b)
+    left, right = wide[:, :8].clone(), wide[:, 8 + N:].clone()
+    assert small_m_linear_add(x, w, view, b) is view
+    torch.testing.assert_close(view, ref, **tol)
+    assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need the GPU")
+@pytest.mark.parametrize("M", [4, 32])
+def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
+    """Two layers at the Qwen3-0.6B shapes, bf16, PDL as the GPU does it: the graph's replay
+    bitwise the eager chain, and within bf16 rounding of small_m_fused's chain."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [qwen3_layer_weights(g, **kw) for _ in range(2)]
+    h0 = torch.randn(M, 1024, generator=g, **kw)
+
+    def chain(h):
+        for nw, qkv, o, gate_up, down in ws:
+            q = small_m_norm_linear(h, nw, 1e-6, qkv)
+            small_m_linear_add(q[:, :2048].contiguous(), o, h)
+            small_m_linear_add(small_m_norm_gate_up_silu(h, nw, 1e-6, gate_up), down, h)
+        return h
+
+    monkeypatch.setattr(small_m_resident, "ENABLED", False)
+    fused = chain(h0.clone())
+    _resident_on(monkeypatch)
+    eager = chain(h0.clone())
+    h = h0.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(h)
+    h.copy_(h0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, eager)
+    torch.testing.assert_close(eager, fused, rtol=3e-2, atol=3e-2)
+    assert small_m_fused.MAX_M >= small_m_resident.MAX_M
