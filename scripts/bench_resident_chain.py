@@ -28,13 +28,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import mrv2  # noqa: F401, E402, I001  (before Triton: the interpreter switch)
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import mrv2  # noqa: F401, I001  (before Triton: the interpreter switch)
+import torch
+import torch.nn.functional as F
 
-import bench_skinny_fused as chain_bench  # noqa: E402
-from mrv2.bench.report import environment  # noqa: E402
-from mrv2.kernels import small_m_fused, small_m_resident  # noqa: E402
+import bench_skinny_fused as chain_bench
+from mrv2.bench.report import environment
+from mrv2.kernels import small_m_fused, small_m_resident
 
 KINDS = ("norm", "add", "gate_up")
 SWEEP = list(itertools.product((8, 16, 32), (4, 8, 16)))

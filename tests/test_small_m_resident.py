@@ -59,44 +59,15 @@ def test_off_by_default_and_the_fused_path_unchanged():
 
 # --- the compiled kernel (CPU: sm_90 PTX) -------------------------------------------------
 
-def _ptx(M, N, K, *, norm, gate_up, add):
-    """The PTX of one launch at these shapes (bf16, PDL on), compiled for sm_90."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-    import triton
-
-    bf = torch.bfloat16
-    x = torch.randn(M, K, dtype=bf)
-    w = torch.randn(2 * N if gate_up else N, K, dtype=bf)
-    out = torch.empty(M, N, dtype=bf)
-    block_n, warps = small_m_resident.launch("gate_up" if gate_up else "add" if add else
-                                             "norm", K)
-    kch, nch = small_m_resident.chunks(K)
-    args = (x, torch.ones(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
-    kwargs = dict(NORM=norm, GATE_UP=gate_up, ADD_RESIDUAL=add, HAS_BIAS=False,
-                  BLOCK_N=block_n, KCH=kch, NCH=nch, PDL=True, num_warps=warps,
-                  launch_pdl=True, debug=False, instrumentation_mode="")
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    fn = small_m_resident._resident_kernel
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
-                            options=options.__dict__)
-    return kernel.asm["ptx"], block_n, warps
-
-
-@pytest.mark.parametrize("N,K,norm,gate_up,add", [
-    (4096, 1024, True, False, False),    # input norm + qkv
-    (1024, 2048, False, False, True),    # o_proj + residual add
-    (3072, 1024, True, True, False),     # post-attention norm + gate_up + SiLU * up
-    (1024, 3072, False, False, True),    # down + residual add (three K chunks)
+@pytest.mark.parametrize("N,K,kind", [
+    (4096, 1024, "norm"),        # input norm + qkv
+    (1024, 2048, "add"),         # o_proj + residual add
+    (3072, 1024, "gate_up"),     # post-attention norm + gate_up + SiLU * up
+    (1024, 3072, "add"),         # down + residual add (three K chunks)
 ])
-def test_sm90_ptx_loads_every_weight_before_the_wait(N, K, norm, gate_up, add):
-    ptx, block_n, warps = _ptx(16, N, K, norm=norm, gate_up=gate_up, add=add)
+def test_sm90_ptx_loads_every_weight_before_the_wait(N, K, kind):
+    ptx, block_n, warps = small_m_resident.sm90_ptx(16, N, K, kind)
+    norm, gate_up = kind != "add", kind == "gate_up"
     assert ptx.count("griddepcontrol.wait") == 1
     before, after = ptx.split("griddepcontrol.wait")
     # A thread's share of the program's weights, 8 bf16 (16 bytes) a load.
@@ -212,3 +183,11 @@ def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
     assert torch.equal(h, eager)
     torch.testing.assert_close(eager, fused, rtol=3e-2, atol=3e-2)
     assert small_m_fused.MAX_M >= small_m_resident.MAX_M
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU's answer")
+def test_chain_bench_says_it_needs_a_gpu():
+    from script_loader import load_script
+    bench = load_script("bench_resident_chain")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--rows", "4"])

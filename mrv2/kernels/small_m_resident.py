@@ -125,7 +125,7 @@ def _resident_kernel(
     XL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     WL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
     # The epilogue's [16, BLOCK_N] tile: lanes across columns, then rows.
-    TN: gl.constexpr = BLOCK_N if BLOCK_N < 32 else 32
+    TN: gl.constexpr = min(32, BLOCK_N)
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TN, TN], [S, 1], [1, 0])
     pid = gl.program_id(0)
 
@@ -288,3 +288,44 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], KCH=kch, NCH=nch, PDL=use_pdl,
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(use_pdl))
     return out
+
+
+def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
+    """The PTX one launch compiles to for an H100 / H200 (sm_90, bf16, PDL on), no GPU needed.
+
+    Args:
+        M, N, K: rows, output columns, reduction length (``N`` per gate / up half).
+        kind: ``"norm"`` (norm + product), ``"add"`` (product + residual add) or
+            ``"gate_up"`` (norm + gate_up + SiLU * up).
+
+    Returns:
+        ``(ptx, block_n, num_warps)``: the PTX text and the launch it was compiled for.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    bf = torch.bfloat16
+    gate_up = kind == "gate_up"
+    x = torch.empty(M, K, dtype=bf)
+    w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
+    out = torch.empty(M, N, dtype=bf)
+    block_n, warps = launch(kind, K)
+    kch, nch = chunks(K)
+    args = (x, torch.empty(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
+    kwargs = {"NORM": kind != "add", "GATE_UP": gate_up, "ADD_RESIDUAL": kind == "add",
+              "HAS_BIAS": False, "BLOCK_N": block_n, "KCH": kch, "NCH": nch, "PDL": True,
+              "num_warps": warps, "launch_pdl": True, "debug": False,
+              "instrumentation_mode": ""}
+    # NOTE: what JITFunction.run does before compiling (the binder's specialisation and
+    # constexprs), minus the launch: Triton internals, checked by the CPU tests.
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    fn = _resident_kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    return kernel.asm["ptx"], block_n, warps
