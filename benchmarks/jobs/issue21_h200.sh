@@ -37,11 +37,13 @@
 #   L  (session 20) small_m_resident (Gluon, weights in the MMA's registers before the PDL
 #      wait): its GPU tests, the 28-layer chain against small_m_fused and cuBLAS at 4-64 rows
 #      with a launch sweep at 32, the sync-debug loop with it on, then K's tests
+#   M  (session 20) TPOT with small_m_resident on (3-16 rows, and to 32 / 64 rows) against
+#      main's default, fresh processes, one job
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-L}
+part=${1:?part A-M}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -138,6 +140,13 @@ L)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
   ;;
+M)
+  RS=mrv2.kernels.small_m_resident
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_resident_processes.json" \
+     --variant default= --variant resident="--set $RS:ENABLED=true" \
+     --variant resident32="--set $RS:ENABLED=true --set $SM:MODEL_MAX_M=${MAXM:-32}" \
+     -- bench latency --runner v2 --batch-sizes 1,4,8,16,24,32
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -147,5 +156,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-L)"; exit 2 ;;
+*) echo "unknown part $part (A-M)"; exit 2 ;;
 esac
