@@ -14,7 +14,7 @@ every tensor is ours to choose), so the weight tile is loaded straight into the 
 B-operand layout (``DotOperandLayout(1, ...)``, 8 consecutive K elements a thread: 16-byte
 ``ld.global.v4`` loads, no shared memory, no conversion). One program:
 
-1. owns ``BLOCK_N`` output columns (8 or 16: ``m16n8k16``'s N is 8, so N = 1024 gets 128
+1. owns ``BLOCK_N`` output columns (8 to 32: ``m16n8k16``'s N is 8, so N = 1024 gets 128
    programs, about one an SM) over all of K. Its warps split K: warp ``s`` holds rows
    ``s * KS .. (s + 1) * KS`` of each ``KCH``-wide chunk of W^T, a batched ``[S, KS, BLOCK_N]``
    operand (``S`` = warps). K is ``NCH`` chunks of ``KCH`` (a power of two; up to 4 chunks,
@@ -53,9 +53,13 @@ MAX_M = 64
 MAX_KCH = 1024
 MAX_CHUNKS = 4
 #: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps. PROVISIONAL
-#: (the GPU sweep, ``scripts/bench_resident_chain.py --sweep``, measures them). Each sizes the
-#: weights a program holds: BLOCK_N x K (x 2 for gate_up) over 32 x warps threads.
-LAUNCH = {"norm": (16, 8), "add": (8, 8), "gate_up": (8, 8)}
+#: (the GPU sweep, ``scripts/bench_resident_chain.py --sweep``, measures them), chosen so a
+#: launch is ONE wave of programs on 132 SMs: compiled for sm_90 (Triton 3.6, ptxas) qkv at
+#: (32, 16) takes 128 registers a thread (1 program an SM, 128 programs), o_proj and down
+#: at (8, 8) 104 and 136 (128 programs), gate_up at (32, 16) 128 (96 programs); gate_up at
+#: (8, 8) would be 142 registers, 1 program an SM and 384 programs: three waves, and only
+#: the first wave's weights load before the wait.
+LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 16)}
 
 
 @gluon.jit
