@@ -39,11 +39,13 @@
 #      with a launch sweep at 32, the sync-debug loop with it on, then K's tests
 #   M  (session 20) TPOT with small_m_resident on (3-16 rows, and to 32 / 64 rows) against
 #      main's default, fresh processes, one job
+#   N  (session 20) L without K's tests, then M over 1 round if the resident chain beat
+#      small_m_fused's at 16 rows (one call of under 10 minutes)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-M}
+part=${1:?part A-N}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -147,6 +149,15 @@ M)
      --variant resident32="--set $RS:ENABLED=true --set $SM:MODEL_MAX_M=${MAXM:-32}" \
      -- bench latency --runner v2 --batch-sizes 1,4,8,16,24,32
   ;;
+N)
+  py -m pytest -q tests/test_small_m_resident.py
+  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep ${SWEEP_ROWS:-32} \
+     --out "$OUT/resident_chain.json"
+  MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  if python3 -c "import json,sys; c={(r['M'],r['runner']):r['us_per_step'] for r in json.load(open('$OUT/resident_chain.json'))['chain']}; sys.exit(0 if c[(16,'resident_pdl')] < c[(16,'fused_pdl')] else 1)"; then
+    ROUNDS=1 timeout ${M_LIMIT:-300} bash "$0" M
+  else echo "resident lost at 16 rows: no TPOT run"; fi
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -156,5 +167,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-M)"; exit 2 ;;
+*) echo "unknown part $part (A-N)"; exit 2 ;;
 esac
