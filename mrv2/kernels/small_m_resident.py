@@ -35,6 +35,8 @@ The torch references are ``skinny_fused``'s.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -325,11 +327,13 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
     # NOTE: what JITFunction.run does before compiling (the binder's specialisation and
     # constexprs), minus the launch: Triton internals, checked by the CPU tests.
     target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     fn = _resident_kernel
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
-                            options=options.__dict__)
+    with warnings.catch_warnings():   # Triton 3.9's notice about its FP-fusion default
+        warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")
+        backend = make_backend(target)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, opts = binder(*args, **kwargs)
+        options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+        kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
+                                options=options.__dict__)
     return kernel.asm["ptx"], block_n, warps
