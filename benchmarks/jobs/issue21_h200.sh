@@ -41,11 +41,14 @@
 #      main's default, fresh processes, one job
 #   N  (session 20) L with only the partition tests of K, then M over 1 round if the resident
 #      chain beat small_m_fused's at 16 rows, in what is left of one 10-minute call
+#   O  (session 20) host-bound v2,v1 with the fused RoPE + attention kernel for decode steps of
+#      up to 256 requests (decode_attention.MAX_TOKENS 32 -> 256; it lost at 256 in an older
+#      tree, job D) against the default, fresh processes
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-N}
+part=${1:?part A-O}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -159,6 +162,11 @@ N)
     ROUNDS=1 timeout $((570 - SECONDS)) bash "$0" M     # what is left of the 10 minutes
   else echo "resident lost at 16 rows: no TPOT run"; fi
   ;;
+O)
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_hostbound_fused_attention.json" \
+     --variant default= --variant fused256="--set $DA:MAX_TOKENS=256" \
+     -- bench throughput --workload host-bound --runner v2,v1
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -168,5 +176,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-N)"; exit 2 ;;
+*) echo "unknown part $part (A-O)"; exit 2 ;;
 esac
