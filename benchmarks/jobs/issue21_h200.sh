@@ -139,7 +139,7 @@ J)
   ;;
 L)
   py -m pytest -q tests/test_small_m_resident.py
-  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep ${SWEEP_ROWS:-32} \
+  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep "${SWEEP_ROWS-32}" \
      --out "$OUT/resident_chain.json"
   MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
@@ -155,7 +155,7 @@ M)
 N)
   py -m pytest -q tests/test_small_m_resident.py tests/test_kernels_attention.py tests/test_decode_attention.py -k "resident or partition or bf16 or cuda or gpu" \
      tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
-  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep ${SWEEP_ROWS:-32} \
+  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep "${SWEEP_ROWS-32}" \
      --out "$OUT/resident_chain.json"
   MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
   if python3 -c "import json,sys; c={(r['M'],r['runner']):r['us_per_step'] for r in json.load(open('$OUT/resident_chain.json'))['chain']}; sys.exit(0 if c[(16,'resident_pdl')] < c[(16,'fused_pdl')] else 1)"; then
