@@ -39,8 +39,9 @@
 #      with a launch sweep at 32, the sync-debug loop with it on, then K's tests
 #   M  (session 20) TPOT with small_m_resident on (3-16 rows, and to 32 / 64 rows) against
 #      main's default, fresh processes, one job
-#   N  (session 20) L with only the partition tests of K, then M over 1 round if the resident
-#      chain beat small_m_fused's at 16 rows, in what is left of one 10-minute call
+#   N  (session 20) the resident's GPU tests and chain, then M over 1 round if it beat
+#      small_m_fused's at 16 rows (LIMIT = the call's seconds), then the sync-debug loop with
+#      it on and the partition tests of K
 #   O  (session 20) host-bound v2,v1 with the fused RoPE + attention kernel for decode steps of
 #      up to 256 requests (decode_attention.MAX_TOKENS 32 -> 256; it lost at 256 in an older
 #      tree, job D) against the default, fresh processes
@@ -153,14 +154,15 @@ M)
      -- bench latency --runner v2 --batch-sizes 1,4,8,16,24,32
   ;;
 N)
-  py -m pytest -q tests/test_small_m_resident.py tests/test_kernels_attention.py tests/test_decode_attention.py -k "resident or partition or bf16 or cuda or gpu" \
-     tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
-  py scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep "${SWEEP_ROWS-32}" \
+  py -m pytest -q tests/test_small_m_resident.py
+  py scripts/bench_resident_chain.py --rows ${ROWS:-4,8,16,24,32,48,64} --sweep "${SWEEP_ROWS-32}" \
      --out "$OUT/resident_chain.json"
-  MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
   if python3 -c "import json,sys; c={(r['M'],r['runner']):r['us_per_step'] for r in json.load(open('$OUT/resident_chain.json'))['chain']}; sys.exit(0 if c[(16,'resident_pdl')] < c[(16,'fused_pdl')] else 1)"; then
-    ROUNDS=1 timeout $((570 - SECONDS)) bash "$0" M     # what is left of the 10 minutes
+    ROUNDS=1 timeout $((${LIMIT:-570} - 100 - SECONDS)) bash "$0" M   # leave ~100 s for the tests below
   else echo "resident lost at 16 rows: no TPOT run"; fi
+  MRV2_RESIDENT_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  py -m pytest -q tests/test_kernels_attention.py tests/test_decode_attention.py -k "partition or bf16 or cuda or gpu" \
+     tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
   ;;
 O)
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_hostbound_fused_attention.json" \
