@@ -40,10 +40,14 @@ def test_chunks_split_k_into_power_of_two_chunks():
     assert small_m_resident.chunks(300) is None           # 75 chunks of 4
 
 
-def test_launch_keeps_a_warp_slice_of_16_keys():
+def test_launch_keeps_a_warp_slice_of_32_keys():
     assert small_m_resident.launch("add", 3072) == small_m_resident.LAUNCH["add"]
-    # K = 96 is chunks of 32: at most 2 warps (16 keys of each chunk a warp).
-    assert small_m_resident.launch("norm", 96)[1] == 2
+    # K = 96 is chunks of 32: one warp; K = 64 one chunk of 64: two warps.
+    assert small_m_resident.launch("norm", 96)[1] == 1
+    assert small_m_resident.launch("norm", 64)[1] == 2
+    w = torch.zeros(64, 48)
+    assert small_m_resident.chunks(48) == (16, 3)
+    assert not small_m_resident.fits(torch.zeros(4, 48), w, 48)  # chunks under 32 keys
 
 
 def test_fits_only_cuda_half_types_and_whole_chunks():
@@ -75,9 +79,12 @@ def test_sm90_ptx_loads_every_weight_before_the_wait(N, K, kind):
     v4 = r"ld\.global(?:\.[a-z0-9_]+)*\.v4\.b32"
     assert len(re.findall(v4, before)) == weights // 8
     # ... and after it only the activations' (a thread's share of x, 16 rows x K) and, with
-    # the norm, the norm weight's (a thread holds 2 of the 16 rows: half as many K columns).
+    # the norm, the norm weight's: a thread holds 2 of the 16 rows, so half as many K columns
+    # (Triton 3.9), or one load per x load where the compiler does not share the broadcast
+    # between the two rows (Triton 3.6, the GPU machine's).
     x_loads = 16 * K // (32 * warps) // 8
-    assert len(re.findall(v4, after)) == x_loads + (x_loads // 2 if norm else 0)
+    loads_after = len(re.findall(v4, after))
+    assert x_loads + (x_loads // 2 if norm else 0) <= loads_after <= x_loads * (2 if norm else 1)
     # The products: m16n8k16 per 16 keys of a warp's slice, per 8 columns (x 2 for gate_up).
     mmas = (K // warps // 16) * (block_n // 8) * (2 if gate_up else 1)
     assert after.count("mma.sync.aligned.m16n8k16") == mmas
@@ -181,7 +188,19 @@ def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(h, eager)
-    torch.testing.assert_close(eager, fused, rtol=3e-2, atol=3e-2)
+    # Both chains round at the same places and sum in another order: against the fp32 chain,
+    # the resident's error is that of small_m_fused (not elementwise: two layers of bf16
+    # residual adds move single elements by a few units in the last place either way).
+    ref = h0.float()
+    for nw, qkv, o, gate_up, down in ws:
+        nw, qkv, o, gate_up, down = (t.float() for t in (nw, qkv, o, gate_up, down))
+        q = skinny_norm_linear_ref(ref, nw, 1e-6, qkv)
+        ref = skinny_linear_add_ref(q[:, :2048].contiguous(), o, ref)
+        ref = skinny_linear_add_ref(skinny_norm_gate_up_silu_ref(ref, nw, 1e-6, gate_up), down, ref)
+
+    def rms(a):
+        return (a.float() - ref).pow(2).mean().sqrt().item()
+    assert rms(eager) <= 1.25 * rms(fused) + 1e-3, (rms(eager), rms(fused))
     assert small_m_fused.MAX_M >= small_m_resident.MAX_M
 
 

@@ -256,12 +256,18 @@ def chunks(K: int) -> tuple[int, int] | None:
     return (kch, nch) if kch and 1 <= nch <= MAX_CHUNKS else None
 
 
+#: The fewest keys of a chunk a warp may own: the operand layouts' ``k_width=8`` gives a
+#: thread 8 consecutive keys and a quad of lanes 32, two ``m16n8k16`` steps. NOTE: a slice
+#: of 16 keys compiled and gave wrong numbers (GPU, job 21N: K = 64 and 96).
+MIN_SLICE = 32
+
+
 def launch(kind: str, K: int) -> tuple[int, int]:
     """``(BLOCK_N, num_warps)`` for an op kind at K: ``LAUNCH``'s, fewer warps when a
-    warp's K-slice of a chunk would be under the 16 an ``mma`` needs."""
+    warp's K-slice of a chunk would be under ``MIN_SLICE``."""
     block_n, warps = LAUNCH[kind]
     kch, _ = chunks(K) or (MAX_KCH, 1)
-    while warps > 1 and kch // warps < 16:
+    while warps > 1 and kch // warps < MIN_SLICE:
         warps //= 2
     return block_n, warps
 
@@ -269,7 +275,7 @@ def launch(kind: str, K: int) -> tuple[int, int]:
 def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:
     """Whether this kernel takes a call (shapes, dtypes, device only: graph-safe)."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_M
-            and chunks(K) is not None and chunks(K)[0] >= 16 and weight.stride(1) == 1)
+            and chunks(K) is not None and chunks(K)[0] >= MIN_SLICE and weight.stride(1) == 1)
 
 
 def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
