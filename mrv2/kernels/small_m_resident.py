@@ -98,6 +98,11 @@ def _add(a, b):
     return a + b
 
 
+# A CTA-wide barrier: Gluon leaves shared-memory ordering to the kernel (Triton 3.6 calls it
+# thread_barrier, 3.9 barrier).
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
 # NOTE: ``gl.sum`` wraps triton.language's sum, whose combine function is an interpreted one
 # when TRITON_INTERPRET=1 (the CPU tests compile this kernel for sm_90 in that process):
 # a reduce with our own combine compiles either way.
@@ -130,9 +135,22 @@ def _resident_kernel(
                                                   instr_shape=[1, 16, 8])
     XL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     WL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-    # The epilogue's [16, BLOCK_N] tile: lanes across columns, then rows.
+    # The warps' partial products meet in shared memory, [S, 16, BLOCK_N] fp32 with 8 words of
+    # padding every 32: a warp's accumulator store (rows m = lane / 4, even columns) then hits
+    # distinct banks. NOTE: gl.reduce over the warp axis of the MMA layout lowered to 32-way
+    # bank conflicts, ~10 us a 16-row block at qkv (H100 profile, job 21N).
+    RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 8]], [S, 16, BLOCK_N],
+                                                                 [2, 1, 0])
+    # ... read back with each thread holding all S partials of its (row, column): the sum
+    # over the warps is in registers, and lands in the epilogue's layout (lanes across
+    # columns, then rows).
     TN: gl.constexpr = min(32, BLOCK_N)
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TN, TN], [S, 1], [1, 0])
+    RL: gl.constexpr = gl.BlockedLayout([S, 1, 1], [1, 32 // TN, TN], [1, S, 1], [2, 1, 0])
+    OL: gl.constexpr = gl.SliceLayout(0, RL)                                # [16, BLOCK_N]
+    red = gl.allocate_shared_memory(gl.float32, [S, 16, BLOCK_N], RED)
+    red_up = red
+    if GATE_UP:
+        red_up = gl.allocate_shared_memory(gl.float32, [S, 16, BLOCK_N], RED)
     pid = gl.program_id(0)
 
     # 1. This program's weights, W^T as [S, KS, BLOCK_N] per chunk, in the B-operand layout.
@@ -230,11 +248,16 @@ def _resident_kernel(
                 acc_up = mma_v2(x, u3, acc_up)
         # The warps' K-slices summed: [16, BLOCK_N], then the unfused path's roundings
         # (as fused_epilogue.round_product / store_output, which are Triton, not Gluon).
-        y = gl.convert_layout(_sum(acc, 0), OL) + gl.expand_dims(bias, 0)
+        _barrier()                       # the last block's readers are done with red
+        red.store(acc)
+        if GATE_UP:
+            red_up.store(acc_up)
+        _barrier()
+        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [16, BN]
         DT: gl.constexpr = out_ptr.dtype.element_ty
         y = y.to(DT).to(gl.float32)
         if GATE_UP:
-            g_up = gl.convert_layout(_sum(acc_up, 0), OL) + gl.expand_dims(bias_up, 0)
+            g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
             silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
             y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
         o_rows = gl.expand_dims(m0 + om, 1)                                 # [16, 1]
