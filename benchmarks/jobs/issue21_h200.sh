@@ -151,7 +151,7 @@ M)
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_resident_processes.json" \
      --variant default= --variant resident="--set $RS:ENABLED=true" \
      --variant resident32="--set $RS:ENABLED=true --set $SM:MODEL_MAX_M=${MAXM:-32}" \
-     -- bench latency --runner v2 --batch-sizes 1,4,8,16,24,32
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,8,16,24,32}
   ;;
 N)
   py -m pytest -q tests/test_small_m_resident.py
