@@ -210,3 +210,12 @@ def test_chain_bench_says_it_needs_a_gpu():
     bench = load_script("bench_resident_chain")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main(["--rows", "4"])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU's answer")
+def test_kernel_probe_says_it_needs_a_gpu():
+    from script_loader import load_script
+    probe = load_script("probe_resident_kernels")
+    assert set(probe.OPS) == {"qkv", "o_proj", "gate_up", "down"}
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe.main(["--rows", "16"])

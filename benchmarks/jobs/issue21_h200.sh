@@ -45,11 +45,16 @@
 #   O  (session 20) host-bound v2,v1 with the fused RoPE + attention kernel for decode steps of
 #      up to 256 requests (decode_attention.MAX_TOKENS 32 -> 256; it lost at 256 in an older
 #      tree, job D) against the default, fresh processes
+#   P  (session 21) small_m_resident after d74f75d (the warps' sums through padded shared
+#      memory: gl.reduce's lowering had 32-way bank conflicts, ~10 us a 16-row block at qkv)
+#      and 3af3236 (warp slices of 32 keys): the per-op probe (scripts/probe_resident_kernels.py)
+#      at 16-64 rows, then N without K's tests (they passed in job 21N). Run with
+#      LIMIT=<the call's seconds - 60, the probe's> ROWS=4,16,32,64 SWEEP_ROWS= BATCHES=1,16,32
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-O}
+part=${1:?part A-P}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -165,6 +170,10 @@ N)
   py -m pytest -q tests/test_kernels_attention.py tests/test_decode_attention.py -k "partition or bf16 or cuda or gpu" \
      tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
   ;;
+P)
+  py scripts/probe_resident_kernels.py --rows 16,17,32,33,64 --out "$OUT/resident_kernels.json"
+  NOPART=1 bash "$0" N
+  ;;
 O)
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_hostbound_fused_attention.json" \
      --variant default= --variant fused256="--set $DA:MAX_TOKENS=256" \
@@ -179,5 +188,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-O)"; exit 2 ;;
+*) echo "unknown part $part (A-P)"; exit 2 ;;
 esac
