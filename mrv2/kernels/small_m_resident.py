@@ -31,6 +31,18 @@ bf16 / fp16 only (``mma_v2`` would take fp32 as TF32: the fp32 path stays on
 ``small_m_fused``); CUDA only: Gluon has no interpreter, so the CPU tests compile it for sm_90
 and check the PTX (the weight loads before the wait), and the GPU tests check the numbers.
 The torch references are ``skinny_fused``'s.
+
+Measured (H100, the H200 kind was not lent; 5a8dd4a, job 21N): the 28-layer chain took 1,276 /
+1,325 / 2,344 / 4,360 us at 4 / 16 / 32 / 64 rows against small_m_fused's 770 / 757 / 1,025 /
+1,246 and cuBLAS's 818 / 906 / 920 / 951 (``benchmarks/results/resident_chain_*_job21N-*``):
+a fixed ~265 us (the weights at the bandwidth: the stream works) plus ~12 us a 16-row block a
+launch. Nsight Compute (job 21P) put that block cost in the warps' sum: ``gl.reduce`` over the
+warp axis of the MMA layout lowered to shared-memory stores and loads with 32-way bank
+conflicts (2.2 M wavefronts where 0.18 M would do at qkv, 16 rows; half the stall samples
+"MIO"). d74f75d sums through a padded shared buffer instead (conflict-free by the bank
+arithmetic in chapter 10); it is not yet measured. What stays: every program reads all of x
+from L2 once per 16-row block (o_proj, 16 rows: 8 MB across 128 programs, twice its weights),
+the "long scoreboard" stalls of the add kernels. Hence still opt-in.
 """
 
 from __future__ import annotations
@@ -46,8 +58,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mrv2.kernels import pdl
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
-#: Route ``small_m_fused``'s entry points here where ``fits``: on a GPU unless
-#: ``MRV2_RESIDENT_GEMM=0``. OFF until the H200 chain says it wins (a bench sets it).
+#: Route ``small_m_fused``'s entry points here where ``fits``: opt-in, ``MRV2_RESIDENT_GEMM=1``
+#: (a bench sets it). OFF until a GPU chain says it wins: it lost on the H100 (job 21N).
 ENABLED: bool = env_switch("MRV2_RESIDENT_GEMM", False) and not TRITON_INTERPRET
 #: The most rows a launch takes (16-row blocks, one after another, weights still resident).
 MAX_M = 64
@@ -62,6 +74,11 @@ MAX_CHUNKS = 4
 #: (8, 8) would be 142 registers, 1 program an SM and 384 programs: three waves, and only
 #: the first wave's weights load before the wait.
 LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 16)}
+#: The warps' sum buffer ([S, 16, BLOCK_N] fp32): RED_PAD words of padding after every
+#: RED_INTERVAL, so a warp's accumulator store and the read-back hit distinct banks
+#: (chapter 10 checks the arithmetic for BLOCK_N 8 / 16 / 32).
+RED_INTERVAL = gl.constexpr(32)
+RED_PAD = gl.constexpr(8)
 
 
 @gluon.jit
@@ -139,8 +156,8 @@ def _resident_kernel(
     # padding every 32: a warp's accumulator store (rows m = lane / 4, even columns) then hits
     # distinct banks. NOTE: gl.reduce over the warp axis of the MMA layout lowered to 32-way
     # bank conflicts, ~10 us a 16-row block at qkv (H100 profile, job 21N).
-    RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 8]], [S, 16, BLOCK_N],
-                                                                 [2, 1, 0])
+    RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[RED_INTERVAL, RED_PAD]],
+                                                                 [S, 16, BLOCK_N], [2, 1, 0])
     # ... read back with each thread holding all S partials of its (row, column): the sum
     # over the warps is in registers, and lands in the epilogue's layout (lanes across
     # columns, then rows).
