@@ -6,7 +6,7 @@ win; this says which op loses and how the loss grows with the rows. For each Qwe
 * up, K 1,024, N 2 x 3,072; down + add, K 3,072) at each row count, both kernels:
 
 * ``graph_us``: the same launch 28 times in one CUDA graph (PDL between them), per launch;
-* ``eager_us``: one eager launch (``triton.testing.do_bench``, launch overhead included).
+* ``eager_us``: one eager launch (the chain bench's median, launch overhead included).
 
 A 16-row block that costs more than the weights explain shows as a step at 17 and 33 rows.
 Under Nsight Compute, one launch of each case runs inside the NVTX range ``profile``:
@@ -30,16 +30,19 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import mrv2  # noqa: F401, I001  (before Triton: the interpreter switch)
 import torch
 
+import bench_skinny_fused as chain_bench
+from bench_skinny_fused import ATTN, HIDDEN, INTER, QKV
 from mrv2.bench.report import environment
 from mrv2.kernels import small_m_fused, small_m_resident
 
 #: op -> (K, N of the product, kind of call)
-OPS = {"qkv": (1024, 4096, "norm"), "o_proj": (2048, 1024, "add"),
-       "gate_up": (1024, 3072, "gate_up"), "down": (3072, 1024, "add")}
+OPS = {"qkv": (HIDDEN, QKV, "norm"), "o_proj": (ATTN, HIDDEN, "add"),
+       "gate_up": (HIDDEN, INTER, "gate_up"), "down": (INTER, HIDDEN, "add")}
 LAUNCHES = 28
 
 
@@ -60,25 +63,20 @@ def _call(op: str, m: int):
 
 
 def _timed(fn, resident: bool) -> dict:
-    import triton
+    """``fn`` with ``small_m_resident.ENABLED`` forced to ``resident``: median us eager (it
+    compiles first), then per launch of ``LAUNCHES`` in one graph, then one launch in the
+    NVTX range ``profile`` (ncu's filter)."""
+    run = chain_bench._forcing(small_m_resident, "ENABLED", resident, fn)
 
-    saved = small_m_resident.ENABLED
-    small_m_resident.ENABLED = resident
-    try:
-        fn()                                               # compiles
-        torch.cuda.synchronize()
-        eager = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(LAUNCHES):
-                fn()
-        in_graph = triton.testing.do_bench(graph.replay, warmup=10, rep=100) * 1e3 / LAUNCHES
-        torch.cuda.nvtx.range_push("profile")              # one launch for ncu's filter
-        fn()
-        torch.cuda.nvtx.range_pop()
-        torch.cuda.synchronize()
-    finally:
-        small_m_resident.ENABLED = saved
+    def launches():
+        for _ in range(LAUNCHES):
+            run()
+    eager = chain_bench._time_us(run, False)
+    in_graph = chain_bench._graph_us(launches, (), False) / LAUNCHES
+    torch.cuda.nvtx.range_push("profile")
+    run()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
     return {"graph_us": in_graph, "eager_us": eager}
 
 
