@@ -155,7 +155,7 @@ def _resident_kernel(
     # The warps' partial products meet in shared memory, [S, 16, BLOCK_N] fp32 with 8 words of
     # padding every 32: a warp's accumulator store (rows m = lane / 4, even columns) then hits
     # distinct banks. NOTE: gl.reduce over the warp axis of the MMA layout lowered to 32-way
-    # bank conflicts, ~10 us a 16-row block at qkv (H100 profile, job 21N).
+    # bank conflicts, ~10 us a 16-row block at qkv (H100 profile, job 21P).
     RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[RED_INTERVAL, RED_PAD]],
                                                                  [S, 16, BLOCK_N], [2, 1, 0])
     # ... read back with each thread holding all S partials of its (row, column): the sum
