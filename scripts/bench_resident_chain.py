@@ -10,8 +10,8 @@ attention left out) at the rows given, three runners in one process:
 * ``resident_pdl``: the same entry points routed to ``small_m_resident`` (each program's
   weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``.
 
-``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` per op kind (BLOCK_N x warps), the other
-kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
+``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
+above 16 rows) per op kind (BLOCK_N x warps), the other kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
 
     python scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep 32 --out r.json
 """
@@ -59,7 +59,8 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
     ws = chain_bench._weights(layers, 1, "cuda", torch.bfloat16)
     mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
     out = {"chain": [], "sweep": [], "weight_mb": mb, "layers": layers,
-           "launch_default": dict(small_m_resident.LAUNCH)}
+           "launch_default": dict(small_m_resident.LAUNCH),
+           "launch_over_16_default": dict(small_m_resident.LAUNCH_OVER_16)}
     runners = _runners()
     for m in rows:
         h = torch.randn(m, chain_bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -78,10 +79,12 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
         if m not in sweep_rows:
             continue
         base = out["chain"][-1]["us_per_step"]
+        # NOTE: the table ``launch`` reads at m rows.
+        table = small_m_resident.LAUNCH if m <= 16 else small_m_resident.LAUNCH_OVER_16
         for kind in KINDS:
             for block_n, warps in SWEEP:
-                saved = small_m_resident.LAUNCH[kind]
-                small_m_resident.LAUNCH[kind] = (block_n, warps)
+                saved = table[kind]
+                table[kind] = (block_n, warps)
                 try:
                     runners["resident_pdl"](h, attn, ws)
                     us = chain_bench._graph_us(runners["resident_pdl"], (h, attn, ws), False)
@@ -89,7 +92,7 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
                     us = None
                     print(f"  {kind} {block_n}x{warps}: {type(e).__name__}: {str(e)[:80]}")
                 finally:
-                    small_m_resident.LAUNCH[kind] = saved
+                    table[kind] = saved
                 out["sweep"].append({"M": m, "kind": kind, "block_n": block_n,
                                      "num_warps": warps, "us_per_step": us})
                 print(f"  sweep M={m} {kind:>7} block_n={block_n:2d} warps={warps:2d}: "

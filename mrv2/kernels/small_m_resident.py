@@ -66,14 +66,17 @@ MAX_M = 64
 #: The widest K chunk (a power of two); K must be at most ``MAX_CHUNKS`` of them.
 MAX_KCH = 1024
 MAX_CHUNKS = 4
-#: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps. PROVISIONAL
-#: (the GPU sweep, ``scripts/bench_resident_chain.py --sweep``, measures them), chosen so a
-#: launch is ONE wave of programs on 132 SMs: compiled for sm_90 (Triton 3.6, ptxas) qkv at
-#: (32, 16) takes 128 registers a thread (1 program an SM, 128 programs), o_proj and down
-#: at (8, 8) 104 and 136 (128 programs), gate_up at (32, 16) 128 (96 programs); gate_up at
-#: (8, 8) would be 142 registers, 1 program an SM and 384 programs: three waves, and only
-#: the first wave's weights load before the wait.
-LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 16)}
+#: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps, for up to 16 rows
+#: (one row block). Compiled for sm_90 (Triton 3.6, ptxas) qkv at (32, 16) takes 128
+#: registers a thread (1 program an SM, 128 programs), o_proj and down at (8, 8) 104 and 136
+#: (128 programs). Measured per op on the 28-layer chain (H100, job 22A, ``--sweep``): gate_up
+#: at (32, 8), 48 programs of 8 warps, gave 520 / 567 / 799 us at 4 / 16 / 32 rows against
+#: (32, 16)'s 567 / 610 / 842; the others' first guesses were within 2% of their best.
+LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 8)}
+#: ... and from 17 rows (two or more row blocks, each re-reading x): o_proj and down at
+#: (32, 8), 32 programs, took 800 us at 32 rows against (8, 8)'s 842 (job 22A): fewer
+#: programs, fewer reads of x from L2.
+LAUNCH_OVER_16 = {**LAUNCH, "add": (32, 8)}
 #: The warps' sum buffer ([S, 16, BLOCK_N] fp32): RED_PAD words of padding after every
 #: RED_INTERVAL, so a warp's accumulator store and the read-back hit distinct banks
 #: (chapter 10 checks the arithmetic for BLOCK_N 8 / 16 / 32).
@@ -302,10 +305,11 @@ def chunks(K: int) -> tuple[int, int] | None:
 MIN_SLICE = 32
 
 
-def launch(kind: str, K: int) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` for an op kind at K: ``LAUNCH``'s, fewer warps when a
-    warp's K-slice of a chunk would be under ``MIN_SLICE``."""
-    block_n, warps = LAUNCH[kind]
+def launch(kind: str, K: int, M: int = 16) -> tuple[int, int]:
+    """``(BLOCK_N, num_warps)`` for an op kind at K and M rows: ``LAUNCH``'s (over 16 rows
+    ``LAUNCH_OVER_16``'s), fewer warps when a warp's K-slice of a chunk would be under
+    ``MIN_SLICE``."""
+    block_n, warps = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
     kch, _ = chunks(K) or (MAX_KCH, 1)
     while warps > 1 and kch // warps < MIN_SLICE:
         warps //= 2
@@ -327,7 +331,7 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
     """
     M, K = x.shape
     kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
-    block_n, warps = launch(kind, K)
+    block_n, warps = launch(kind, K, M)
     cfg = {"block_n": block_n, "num_warps": warps, **(config or {})}
     kch, nch = chunks(K)
     use_pdl = pdl.use_pdl(x.device)
@@ -363,7 +367,7 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
     x = torch.empty(M, K, dtype=bf)
     w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
     out = torch.empty(M, N, dtype=bf)
-    block_n, warps = launch(kind, K)
+    block_n, warps = launch(kind, K, M)
     kch, nch = chunks(K)
     args = (x, torch.empty(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
     kwargs = {"NORM": kind != "add", "GATE_UP": gate_up, "ADD_RESIDUAL": kind == "add",
