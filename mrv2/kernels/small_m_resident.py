@@ -69,7 +69,7 @@ MAX_CHUNKS = 4
 #: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps, for up to 16 rows
 #: (one row block). Compiled for sm_90 (Triton 3.6, ptxas) qkv at (32, 16) takes 128
 #: registers a thread (1 program an SM, 128 programs), o_proj and down at (8, 8) 104 and 136
-#: (128 programs). Measured per op on the 28-layer chain (H100, job 22A, ``--sweep``): gate_up
+#: (128 programs). Measured per op on the 28-layer chain (H100, jobs 22A-B, ``--sweep``): gate_up
 #: at (32, 8), 48 programs of 8 warps, gave 520 / 567 / 799 us at 4 / 16 / 32 rows against
 #: (32, 16)'s 567 / 610 / 842; the others' first guesses were within 2% of their best.
 LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 8)}
