@@ -38,6 +38,8 @@ from mrv2.kernels import small_m_fused, small_m_resident
 
 KINDS = ("norm", "add", "gate_up")
 SWEEP = list(itertools.product((8, 16, 32), (4, 8, 16)))
+#: Over 16 rows, each launch also at 32 rows a pass of the row loop (BLOCK_M).
+SWEEP_BLOCK_M = (16, 32)
 
 
 def _resident(run, on: bool):
@@ -82,20 +84,22 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
         # NOTE: the table ``launch`` reads at m rows.
         table = small_m_resident.LAUNCH if m <= 16 else small_m_resident.LAUNCH_OVER_16
         for kind in KINDS:
-            for block_n, warps in SWEEP:
+            for block_n, warps, block_m in [(*bw, bm) for bw in SWEEP
+                                            for bm in (SWEEP_BLOCK_M if m > 16 else (16,))]:
                 saved = table[kind]
-                table[kind] = (block_n, warps)
+                table[kind] = (block_n, warps, block_m)
                 try:
                     runners["resident_pdl"](h, attn, ws)
                     us = chain_bench._graph_us(runners["resident_pdl"], (h, attn, ws), False)
                 except Exception as e:  # noqa: BLE001  (a launch that does not fit: recorded)
                     us = None
-                    print(f"  {kind} {block_n}x{warps}: {type(e).__name__}: {str(e)[:80]}")
+                    print(f"  {kind} {block_n}x{warps}x{block_m}: {type(e).__name__}: {str(e)[:80]}")
                 finally:
                     table[kind] = saved
                 out["sweep"].append({"M": m, "kind": kind, "block_n": block_n,
-                                     "num_warps": warps, "us_per_step": us})
-                print(f"  sweep M={m} {kind:>7} block_n={block_n:2d} warps={warps:2d}: "
+                                     "num_warps": warps, "block_m": block_m, "us_per_step": us})
+                print(f"  sweep M={m} {kind:>7} block_n={block_n:2d} warps={warps:2d} "
+                      f"block_m={block_m}: "
                       f"{'failed' if us is None else f'{us:7.1f} us'} (default {base:7.1f})",
                       flush=True)
     return out

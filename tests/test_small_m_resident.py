@@ -97,12 +97,24 @@ def _resident_on(monkeypatch):
     monkeypatch.setattr(small_m_resident, "ENABLED", True)
 
 
+def _block_m(monkeypatch, block_m):
+    # Every launch at block_m rows a pass, BLOCK_N 8 (registers: see LAUNCH).
+    for name in ("LAUNCH", "LAUNCH_OVER_16"):
+        table = {kind: (8, warps, block_m)
+                 for kind, (_, warps, _) in getattr(small_m_resident, name).items()}
+        monkeypatch.setattr(small_m_resident, name, table)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
 @pytest.mark.parametrize("M", [3, 4, 16, 17, 32, 33, 64])
-def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
+@pytest.mark.parametrize("block_m", [None, 32])
+def test_gpu_bf16_qwen3_shapes_match_the_references(M, block_m, monkeypatch):
     """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
-    small_m_fused's own kernel (the same roundings, another summation order)."""
+    small_m_fused's own kernel (the same roundings, another summation order); at the
+    default launches and with every op taking 32 rows a pass (rows past M masked)."""
+    if block_m:
+        _block_m(monkeypatch, block_m)
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, 1024, generator=g, **kw)
@@ -128,12 +140,16 @@ def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
-@pytest.mark.parametrize("M,N,K,bias", [(5, 40, 96, True), (3, 1000, 512, False),
-                                        (20, 24, 1536, True), (64, 8, 64, True)])
-def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatch):
+@pytest.mark.parametrize("M,N,K,bias,block_m", [
+    (5, 40, 96, True, 16), (3, 1000, 512, False, 16), (20, 24, 1536, True, 16),
+    (64, 8, 64, True, 16), (20, 24, 1536, True, 32), (33, 40, 96, False, 32)])
+def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, block_m, monkeypatch):
     """N not a multiple of the column block (wrapped loads, masked stores), K of 3 chunks,
-    bias, rows past one block; the add into a row-strided view of a wider buffer."""
+    bias, rows past one block (of 16 or 32); the add into a row-strided view of a wider
+    buffer."""
     _resident_on(monkeypatch)
+    if block_m == 32:
+        _block_m(monkeypatch, block_m)
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     x = torch.randn(M, K, generator=g, **kw)

@@ -66,17 +66,18 @@ MAX_M = 64
 #: The widest K chunk (a power of two); K must be at most ``MAX_CHUNKS`` of them.
 MAX_KCH = 1024
 MAX_CHUNKS = 4
-#: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps, for up to 16 rows
-#: (one row block). Compiled for sm_90 (Triton 3.6, ptxas) qkv at (32, 16) takes 128
+#: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps, BLOCK_M (the rows
+#: a pass of the row loop takes, 16 or 32), for up to 16 rows. Compiled for sm_90 (Triton 3.6, ptxas) qkv at (32, 16) takes 128
 #: registers a thread (1 program an SM, 128 programs), o_proj and down at (8, 8) 104 and 136
 #: (128 programs). Measured per op on the 28-layer chain (H100, jobs 22A-B, ``--sweep``): gate_up
 #: at (32, 8), 48 programs of 8 warps, gave 520 / 567 / 799 us at 4 / 16 / 32 rows against
 #: (32, 16)'s 567 / 610 / 842; the others' first guesses were within 2% of their best.
-LAUNCH = {"norm": (32, 16), "add": (8, 8), "gate_up": (32, 8)}
-#: ... and from 17 rows (two or more row blocks, each re-reading x): o_proj and down at
-#: (32, 8), 32 programs, took 800 us at 32 rows against (8, 8)'s 842 (job 22A): fewer
-#: programs, fewer reads of x from L2.
-LAUNCH_OVER_16 = {**LAUNCH, "add": (32, 8)}
+LAUNCH = {"norm": (32, 16, 16), "add": (8, 8, 16), "gate_up": (32, 8, 16)}
+#: ... and from 17 rows (two or more blocks of 16 rows, each re-reading x): o_proj and down
+#: at (32, 8), 32 programs, took 800 us at 32 rows against (8, 8)'s 842 (job 22A): fewer
+#: programs, fewer reads of x from L2. (ptxas: 250 registers at K = 2,048, 255 and 112 bytes
+#: of spills at 3,072; gate_up at (32, 8) 255 and none.)
+LAUNCH_OVER_16 = {**LAUNCH, "add": (32, 8, 16)}
 #: The warps' sum buffer ([S, 16, BLOCK_N] fp32): RED_PAD words of padding after every
 #: RED_INTERVAL, so a warp's accumulator store and the read-back hit distinct banks
 #: (chapter 10 checks the arithmetic for BLOCK_N 8 / 16 / 32).
@@ -105,7 +106,7 @@ def _dims3(L: gl.constexpr, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr):
 
 @gluon.jit
 def _normed(x, nw_ptrs, rstd3, c: gl.constexpr, KCH: gl.constexpr, NORM: gl.constexpr):
-    # Chunk c of the rows' activations [S, 16, KS] (A-operand layout), normed.
+    # Chunk c of the rows' activations [S, BLOCK_M, KS] (A-operand layout), normed.
     if NORM:
         nw = gl.load(nw_ptrs + c * KCH).to(gl.float32)                     # [S, 1, KS]
         # NOTE: rounded to x's dtype, as the unfused rms_norm writes it for the GEMM.
@@ -133,7 +134,7 @@ def _sum(x, axis: gl.constexpr):
 
 @gluon.jit
 def _sum_sq(x):
-    # [S, 16, KS] -> [16]: each row's sum of squares over this chunk, all warps' slices.
+    # [S, BM, KS] -> [BM]: each row's sum of squares over this chunk, all warps' slices.
     xf = x.to(gl.float32)
     return _sum(_sum(xf * xf, 2), 0)
 
@@ -146,7 +147,7 @@ def _resident_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
     NORM: gl.constexpr, GATE_UP: gl.constexpr, ADD_RESIDUAL: gl.constexpr,
     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, KCH: gl.constexpr, NCH: gl.constexpr,
-    PDL: gl.constexpr,
+    BLOCK_M: gl.constexpr, PDL: gl.constexpr,
 ):
     S: gl.constexpr = gl.num_warps()
     KS: gl.constexpr = KCH // S                 # a warp's K rows of each chunk
@@ -155,22 +156,22 @@ def _resident_kernel(
                                                   instr_shape=[1, 16, 8])
     XL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     WL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
-    # The warps' partial products meet in shared memory, [S, 16, BLOCK_N] fp32 with 8 words of
+    # The warps' partial products meet in shared memory, [S, BLOCK_M, BLOCK_N] fp32 with 8 words of
     # padding every 32: a warp's accumulator store (rows m = lane / 4, even columns) then hits
     # distinct banks. NOTE: gl.reduce over the warp axis of the MMA layout lowered to 32-way
     # bank conflicts, ~10 us a 16-row block at qkv (H100 profile, job 21P).
     RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[RED_INTERVAL, RED_PAD]],
-                                                                 [S, 16, BLOCK_N], [2, 1, 0])
+                                                                 [S, BLOCK_M, BLOCK_N], [2, 1, 0])
     # ... read back with each thread holding all S partials of its (row, column): the sum
     # over the warps is in registers, and lands in the epilogue's layout (lanes across
     # columns, then rows).
     TN: gl.constexpr = min(32, BLOCK_N)
     RL: gl.constexpr = gl.BlockedLayout([S, 1, 1], [1, 32 // TN, TN], [1, S, 1], [2, 1, 0])
-    OL: gl.constexpr = gl.SliceLayout(0, RL)                                # [16, BLOCK_N]
-    red = gl.allocate_shared_memory(gl.float32, [S, 16, BLOCK_N], RED)
+    OL: gl.constexpr = gl.SliceLayout(0, RL)                                # [BM, BN]
+    red = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
     red_up = red
     if GATE_UP:
-        red_up = gl.allocate_shared_memory(gl.float32, [S, 16, BLOCK_N], RED)
+        red_up = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
     pid = gl.program_id(0)
 
     # 1. This program's weights, W^T as [S, KS, BLOCK_N] per chunk, in the B-operand layout.
@@ -205,10 +206,10 @@ def _resident_kernel(
     if PDL:
         _gdc_wait()
 
-    xs, xm, xk = _dims3(XL, S, 16, KS)
+    xs, xm, xk = _dims3(XL, S, BLOCK_M, KS)
     x_k = xs * KS + xk                                                      # [S, 1, KS]
     nw_ptrs = norm_w_ptr + x_k
-    om = gl.arange(0, 16, layout=gl.SliceLayout(1, OL))
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
     n_ok = on < N
     bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
@@ -218,11 +219,11 @@ def _resident_kernel(
         if GATE_UP:
             bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
 
-    # 3. Sixteen rows at a time.
-    for m0 in range(0, M, 16):
-        rows = m0 + xm                                                      # [1, 16, 1]
+    # 3. BLOCK_M (16 or 32) rows at a time.
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + xm                                                      # [1, BM, 1]
         row_ok = rows < M
-        x_ptrs = x_ptr + rows.to(gl.int64) * stride_xm + x_k                # [S, 16, KS]
+        x_ptrs = x_ptr + rows.to(gl.int64) * stride_xm + x_k                # [S, BM, KS]
         # Each chunk of x loaded once: the mean square needs all of K before the products.
         x0 = gl.load(x_ptrs, mask=row_ok, other=0.0)
         x1 = x0
@@ -234,9 +235,9 @@ def _resident_kernel(
             x2 = gl.load(x_ptrs + 2 * KCH, mask=row_ok, other=0.0)
         if NCH > 3:
             x3 = gl.load(x_ptrs + 3 * KCH, mask=row_ok, other=0.0)
-        rstd3 = gl.full([1, 16, 1], 1.0, gl.float32, layout=XL)
+        rstd3 = gl.full([1, BLOCK_M, 1], 1.0, gl.float32, layout=XL)
         if NORM:  # each row's inverse RMS over ALL of K: every chunk, every warp's slice
-            ss = _sum_sq(x0)                                                # [16]
+            ss = _sum_sq(x0)                                                # [BM]
             if NCH > 1:
                 ss += _sum_sq(x1)
             if NCH > 2:
@@ -244,8 +245,8 @@ def _resident_kernel(
             if NCH > 3:
                 ss += _sum_sq(x3)
             rstd = gl.rsqrt(ss / K + eps)
-            rstd3 = gl.expand_dims(gl.expand_dims(rstd, 0), 2)              # [1, 16, 1]
-        acc = gl.zeros([S, 16, BLOCK_N], gl.float32, layout=MMA)           # [S, 16, BN]
+            rstd3 = gl.expand_dims(gl.expand_dims(rstd, 0), 2)              # [1, BM, 1]
+        acc = gl.zeros([S, BLOCK_M, BLOCK_N], gl.float32, layout=MMA)      # [S, BM, BN]
         acc_up = acc
         x = _normed(x0, nw_ptrs, rstd3, 0, KCH, NORM)
         acc = mma_v2(x, w0, acc)
@@ -266,21 +267,21 @@ def _resident_kernel(
             acc = mma_v2(x, w3, acc)
             if GATE_UP:
                 acc_up = mma_v2(x, u3, acc_up)
-        # The warps' K-slices summed: [16, BLOCK_N], then the unfused path's roundings
+        # The warps' K-slices summed: [BM, BN], then the unfused path's roundings
         # (as fused_epilogue.round_product / store_output, which are Triton, not Gluon).
         _barrier()                       # the last block's readers are done with red
         red.store(acc)
         if GATE_UP:
             red_up.store(acc_up)
         _barrier()
-        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [16, BN]
+        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [BM, BN]
         DT: gl.constexpr = out_ptr.dtype.element_ty
         y = y.to(DT).to(gl.float32)
         if GATE_UP:
             g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
             silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
             y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
-        o_rows = gl.expand_dims(m0 + om, 1)                                 # [16, 1]
+        o_rows = gl.expand_dims(m0 + om, 1)                                 # [BM, 1]
         mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
         cols = gl.expand_dims(on, 0)
         if ADD_RESIDUAL:
@@ -305,15 +306,15 @@ def chunks(K: int) -> tuple[int, int] | None:
 MIN_SLICE = 32
 
 
-def launch(kind: str, K: int, M: int = 16) -> tuple[int, int]:
-    """``(BLOCK_N, num_warps)`` for an op kind at K and M rows: ``LAUNCH``'s (over 16 rows
-    ``LAUNCH_OVER_16``'s), fewer warps when a warp's K-slice of a chunk would be under
+def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, BLOCK_M)`` for an op kind at K and M rows: ``LAUNCH``'s (over 16
+    rows ``LAUNCH_OVER_16``'s), fewer warps when a warp's K-slice of a chunk would be under
     ``MIN_SLICE``."""
-    block_n, warps = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
+    block_n, warps, block_m = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
     kch, _ = chunks(K) or (MAX_KCH, 1)
     while warps > 1 and kch // warps < MIN_SLICE:
         warps //= 2
-    return block_n, warps
+    return block_n, warps, block_m
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:
@@ -327,12 +328,12 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
     """One fused GEMM (``small_m_fused._run``'s arguments, checked there): see the module.
 
     Args:
-        config: overrides ``{"block_n": 8 | 16 | 32, "num_warps": 1-16}``.
+        config: overrides ``{"block_n": 8 | 16 | 32, "num_warps": 1-16, "block_m": 16 | 32}``.
     """
     M, K = x.shape
     kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
-    block_n, warps = launch(kind, K, M)
-    cfg = {"block_n": block_n, "num_warps": warps, **(config or {})}
+    block_n, warps, block_m = launch(kind, K, M)
+    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
     kch, nch = chunks(K)
     use_pdl = pdl.use_pdl(x.device)
     r = residual if residual is not None else out
@@ -341,7 +342,8 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         bias if bias is not None else weight, r, out,
         M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
         NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], KCH=kch, NCH=nch, PDL=use_pdl,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], KCH=kch, NCH=nch,
+        BLOCK_M=cfg["block_m"], PDL=use_pdl,
         num_warps=cfg["num_warps"], **pdl.launch_kwargs(use_pdl))
     return out
 
@@ -367,11 +369,12 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
     x = torch.empty(M, K, dtype=bf)
     w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
     out = torch.empty(M, N, dtype=bf)
-    block_n, warps = launch(kind, K, M)
+    block_n, warps, block_m = launch(kind, K, M)
     kch, nch = chunks(K)
     args = (x, torch.empty(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
     kwargs = {"NORM": kind != "add", "GATE_UP": gate_up, "ADD_RESIDUAL": kind == "add",
-              "HAS_BIAS": False, "BLOCK_N": block_n, "KCH": kch, "NCH": nch, "PDL": True,
+              "HAS_BIAS": False, "BLOCK_N": block_n, "KCH": kch, "NCH": nch, "BLOCK_M": block_m,
+              "PDL": True,
               "num_warps": warps, "launch_pdl": True, "debug": False,
               "instrumentation_mode": ""}
     # NOTE: what JITFunction.run does before compiling (the binder's specialisation and
