@@ -15,7 +15,7 @@ from test_skinny_fused import TOL, _inputs  # the fused kernels' inputs and tole
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM, SamplingParams
-from mrv2.kernels import pdl, skinny_fused, small_m_fused
+from mrv2.kernels import pdl, skinny_fused, small_m_fused, small_m_resident
 from mrv2.kernels.skinny_fused import (
     skinny_linear_add_ref,
     skinny_norm_gate_up_silu_ref,
@@ -28,6 +28,14 @@ from mrv2.kernels.small_m_fused import (
 )
 from mrv2.models import qwen3
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
+
+
+@pytest.fixture(autouse=True)
+def _own_kernel(monkeypatch):
+    # These tests are small_m_fused's own Triton kernel: its entry points hand bf16 / fp16
+    # GPU calls to small_m_resident by default (tests/test_small_m_resident.py).
+    monkeypatch.setattr(small_m_resident, "ENABLED", False)
+
 
 CASES = [(3, 40, 96, False), (17, 24, 200, True), (64, 17, 64, True), (5, 64, 300, False),
          (0, 24, 64, True), (150, 24, 64, True)]
@@ -130,6 +138,7 @@ def _llm_tokens(llm, prompts, monkeypatch, on):
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
                         lambda self, *a: calls.append(a[1].shape[0]) or orig(self, *a))
     monkeypatch.setattr(small_m_fused, "ENABLED", on)
+    monkeypatch.setattr(small_m_resident, "ENABLED", False)   # this module's own kernel
     monkeypatch.setattr(skinny_fused, "ENABLED", False)       # NOTE: on a GPU it is on
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -27,7 +27,7 @@ from mrv2.kernels.small_m_fused import (
     small_m_norm_gate_up_silu,
     small_m_norm_linear,
 )
-from mrv2.platform import HAS_CUDA
+from mrv2.platform import HAS_CUDA, TRITON_INTERPRET
 
 
 def test_chunks_split_k_into_power_of_two_chunks():
@@ -57,8 +57,26 @@ def test_fits_only_cuda_half_types_and_whole_chunks():
     assert not small_m_resident.fits(x.bfloat16(), w.bfloat16(), 1024)  # CPU
 
 
-def test_off_by_default_and_the_fused_path_unchanged():
-    assert small_m_resident.ENABLED is (os.environ.get("MRV2_RESIDENT_GEMM") == "1")
+def test_on_by_default_on_the_gpu_never_in_the_interpreter():
+    on = os.environ.get("MRV2_RESIDENT_GEMM", "1") == "1" and not TRITON_INTERPRET
+    assert small_m_resident.ENABLED is on
+    assert not small_m_resident.takes(torch.zeros(4, 8, dtype=torch.bfloat16))  # CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the routing reads a CUDA tensor's device")
+def test_gpu_the_model_routes_17_to_32_rows_here_only_where_it_takes_them(monkeypatch):
+    monkeypatch.setattr(small_m_fused, "ENABLED", True)
+    monkeypatch.setattr(small_m_resident, "ENABLED", True)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    assert small_m_resident.takes(torch.zeros(4, 8, **bf))
+    assert small_m_fused.use_small_m_fused(torch.zeros(small_m_resident.MODEL_MAX_M, 8, **bf))
+    assert not small_m_fused.use_small_m_fused(
+        torch.zeros(small_m_resident.MODEL_MAX_M + 1, 8, **bf))
+    assert not small_m_fused.use_small_m_fused(torch.zeros(17, 8, device="cuda"))  # fp32
+    monkeypatch.setattr(small_m_resident, "ENABLED", False)
+    assert small_m_fused.use_small_m_fused(torch.zeros(16, 8, **bf))
+    assert not small_m_fused.use_small_m_fused(torch.zeros(17, 8, **bf))           # cuBLAS's
 
 
 # --- the compiled kernel (CPU: sm_90 PTX) -------------------------------------------------

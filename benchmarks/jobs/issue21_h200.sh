@@ -37,8 +37,9 @@
 #   L  (session 20) small_m_resident (Gluon, weights in the MMA's registers before the PDL
 #      wait): its GPU tests, the 28-layer chain against small_m_fused and cuBLAS at 4-64 rows
 #      with a launch sweep at 32, the sync-debug loop with it on, then K's tests
-#   M  (session 20) TPOT with small_m_resident on (3-16 rows, and to 32 / 64 rows) against
-#      main's default, fresh processes, one job
+#   M  (session 20; session 22's variants) TPOT at main's default (small_m_resident on, 3-32
+#      rows) against small_m_fused's 3-16 (the default before) and the resident's 3-16 only,
+#      fresh processes, one job
 #   N  (session 20) the resident's GPU tests and chain, then M over 1 round if it beat
 #      small_m_fused's at 16 rows (LIMIT = the call's seconds), then the sync-debug loop with
 #      it on and the partition tests of K
@@ -154,8 +155,8 @@ L)
 M)
   RS=mrv2.kernels.small_m_resident
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_resident_processes.json" \
-     --variant default= --variant resident="--set $RS:ENABLED=true" \
-     --variant resident32="--set $RS:ENABLED=true --set $SM:MODEL_MAX_M=${MAXM:-32}" \
+     --variant default= --variant fused16="--set $RS:ENABLED=false" \
+     --variant resident16="--set $RS:MODEL_MAX_M=16" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,8,16,24,32}
   ;;
 N)

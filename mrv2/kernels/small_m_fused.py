@@ -82,7 +82,8 @@ LARGE_M_LAUNCH = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4,
                   "num_stages": 4}
 #: The rows the model's decode path sends here (from skinny_fused's last row + 1).
 MODEL_MIN_M = skinny_fused.MODEL_MAX_M + 1
-#: The most rows the model sends here: at 32 cuBLAS wins (job AB, above).
+#: The most rows the model sends here: at 32 cuBLAS wins (job AB, above); where
+#: ``small_m_resident.takes`` the rows (bf16 / fp16 on the GPU), up to its ``MODEL_MAX_M``.
 MODEL_MAX_M = 16
 #: On a GPU unless ``MRV2_SMALL_M_FUSED=0``; never under the interpreter (tests set it True).
 ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
@@ -100,8 +101,11 @@ SPLIT_K: bool = env_switch("MRV2_SMALL_M_SPLIT_K", False)
 
 
 def use_small_m_fused(x: torch.Tensor) -> bool:
-    """Whether a forward over ``x [T, hidden]`` takes this path (shapes only: graph-safe)."""
-    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= MODEL_MAX_M
+    """Whether a forward over ``x [T, hidden]`` takes this path (shapes, dtype, device only:
+    graph-safe): 3-16 rows, and up to ``small_m_resident.MODEL_MAX_M`` where the resident
+    kernel takes them."""
+    top = max(MODEL_MAX_M, small_m_resident.MODEL_MAX_M if small_m_resident.takes(x) else 0)
+    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= top
             and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET))
 
 
@@ -393,7 +397,8 @@ SMALL_M_OPS = (small_m_norm_linear, small_m_linear_add, small_m_norm_gate_up_sil
 
 def fused_decode_ops(h: torch.Tensor) -> tuple | None:
     """The fused decode GEMMs a forward over ``h [T, hidden]`` takes, or ``None`` (the
-    unfused layers): skinny_fused's for 1-2 rows, this module's for 3-16 when it is on.
+    unfused layers): skinny_fused's for 1-2 rows, this module's for 3-16 (3-32 where
+    small_m_resident takes them) when it is on.
     Reads only shapes: graph- and sync-safe."""
     if skinny_fused.use_fused_decode(h):
         return SKINNY_OPS

@@ -47,6 +47,7 @@ the "long scoreboard" stalls of the add kernels. Hence still opt-in.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -58,9 +59,14 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mrv2.kernels import pdl
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
-#: Route ``small_m_fused``'s entry points here where ``fits``: opt-in, ``MRV2_RESIDENT_GEMM=1``
-#: (a bench sets it). OFF until a GPU chain says it wins: it lost on the H100 (job 21N).
-ENABLED: bool = env_switch("MRV2_RESIDENT_GEMM", False) and not TRITON_INTERPRET
+#: Route ``small_m_fused``'s entry points here where ``fits``: on by default on the GPU since
+#: job 22P (H100: the 28-layer chain 566 / 609 / 839 us at 4 / 16 / 32 rows against
+#: small_m_fused's 766 / 754 / 1,024 and cuBLAS's 818 / 910 / 917); ``MRV2_RESIDENT_GEMM=0``
+#: turns it off. Never under the interpreter (Gluon has none).
+ENABLED: bool = env_switch("MRV2_RESIDENT_GEMM", True) and not TRITON_INTERPRET
+#: The most rows the model's decode layers send here (``small_m_fused.use_small_m_fused``
+#: takes 17 to this many rows only where ``takes``): at 64 cuBLAS wins (1,334 against 950 us).
+MODEL_MAX_M = 32
 #: The most rows a launch takes (16-row blocks, one after another, weights still resident).
 MAX_M = 64
 #: The widest K chunk (a power of two); K must be at most ``MAX_CHUNKS`` of them.
@@ -315,6 +321,19 @@ def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
     while warps > 1 and kch // warps < MIN_SLICE:
         warps //= 2
     return block_n, warps, block_m
+
+
+@functools.cache
+def _has_mma_v2(index: int) -> bool:
+    # mma.sync m16n8k16 in bf16 needs sm_80 or newer (a host query, cached: no sync).
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether calls on ``x``'s rows may come here (on, device, dtype: graph-safe)."""
+    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and _has_mma_v2(x.device.index if x.device.index is not None
+                            else torch.cuda.current_device()))
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:

@@ -383,7 +383,8 @@ class Qwen3Model(nn.Module):
     take the skinny GEMM; ``MRV2_FUSED_DECODE=0`` turns it off) runs every layer's
     ``forward_decode``: 6 kernels a layer instead of ~10.5 (mrv2/kernels/skinny_fused.py);
     and 3-16 tokens take the tensor-core version of the same kernels
-    (mrv2/kernels/small_m_fused.py; ``MRV2_SMALL_M_FUSED=0`` turns it off).
+    (mrv2/kernels/small_m_fused.py; ``MRV2_SMALL_M_FUSED=0`` turns it off), 3-32 in bf16 /
+    fp16 on the GPU, where they hand the products to mrv2/kernels/small_m_resident.py.
 
     Args: as :class:`Qwen3ForCausalLM`.
     """
