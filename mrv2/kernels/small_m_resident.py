@@ -32,17 +32,20 @@ bf16 / fp16 only (``mma_v2`` would take fp32 as TF32: the fp32 path stays on
 and check the PTX (the weight loads before the wait), and the GPU tests check the numbers.
 The torch references are ``skinny_fused``'s.
 
-Measured (H100, the H200 kind was not lent; 5a8dd4a, job 21N): the 28-layer chain took 1,276 /
-1,325 / 2,344 / 4,360 us at 4 / 16 / 32 / 64 rows against small_m_fused's 770 / 757 / 1,025 /
-1,246 and cuBLAS's 818 / 906 / 920 / 951 (``benchmarks/results/resident_chain_*_job21N-*``):
-a fixed ~265 us (the weights at the bandwidth: the stream works) plus ~12 us a 16-row block a
-launch. Nsight Compute (job 21P) put that block cost in the warps' sum: ``gl.reduce`` over the
-warp axis of the MMA layout lowered to shared-memory stores and loads with 32-way bank
-conflicts (2.2 M wavefronts where 0.18 M would do at qkv, 16 rows; half the stall samples
-"MIO"). d74f75d sums through a padded shared buffer instead (conflict-free by the bank
-arithmetic in chapter 10); it is not yet measured. What stays: every program reads all of x
-from L2 once per 16-row block (o_proj, 16 rows: 8 MB across 128 programs, twice its weights),
-the "long scoreboard" stalls of the add kernels. Hence still opt-in.
+Measured (H100s; the H200 kind was not lent). At 5a8dd4a (job 21N) the 28-layer chain took
+1,276 / 1,325 / 2,344 / 4,360 us at 4 / 16 / 32 / 64 rows against small_m_fused's 770 / 757 /
+1,025 / 1,246 and cuBLAS's 818 / 906 / 920 / 951: a fixed ~265 us (the weights at the
+bandwidth: the stream works) plus ~12 us a 16-row block a launch. Nsight Compute (job 21P) put
+that block cost in the warps' sum: ``gl.reduce`` over the warp axis of the MMA layout lowered
+to shared-memory stores and loads with 32-way bank conflicts (2.2 M wavefronts where 0.18 M
+would do at qkv, 16 rows). Summed through a padded shared buffer instead (d74f75d; the bank
+arithmetic is in chapter 10), the chain took **566 / 609 / 839 / 1,334 us** (job 22P, 6e251c3:
+small_m_fused 766 / 754 / 1,024 / 1,253, cuBLAS 818 / 910 / 917 / 950), per op at 16 rows 3.3
+(o_proj) to 4.8 us (gate_up) a launch against small_m_fused's 4.4-6.4, and TPOT over fresh
+processes (one round) at batch 16 / 32 1.231 / 1.554 -> 1.137 / 1.440 ms. Hence ON by default,
+and the model's decode layers send it 3-32 rows (``MODEL_MAX_M``). What stays: every program
+reads all of x from L2 once per 16-row block, so the cost still grows with the rows (64 rows
+lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (not yet measured).
 """
 
 from __future__ import annotations
