@@ -11,6 +11,7 @@ and there are no side streams and no CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -146,6 +147,30 @@ class _KeptPatch:
         pass
 
 
+#: The interpreter's patches of ``triton.language`` this process keeps, and the module sets and
+#: globals dicts they were made for (``_patch_language_once``; ``compiled_language`` undoes them).
+_KEPT_SCOPES: list = []
+_PATCHED: set[frozenset[int]] = set()
+_SEEN: set[tuple[int, int]] = set()  # (globals dict, its size) already looked at
+
+
+@contextlib.contextmanager
+def compiled_language():
+    """Triton's own ``triton.language`` inside the block, for a kernel compiled for a GPU in an
+    interpreter process (``small_m_resident.sm90_ptx``: the CPU tests check its PTX).
+
+    NOTE: the language this process keeps patched for the interpreter (numpy builtins) would
+    fail a compile (``'value' object has no attribute 'dtype'``), and did only once some
+    interpreted kernel had run first and Triton's cache held no copy of the compiled one. The
+    patches are undone here; the next interpreted launch makes them again.
+    """
+    while _KEPT_SCOPES:
+        _KEPT_SCOPES.pop().restore()
+    _PATCHED.clear()
+    _SEEN.clear()
+    yield
+
+
 def _patch_language_once() -> bool:
     """Patch ``triton.language`` for the interpreter once per process, not once per launch.
 
@@ -165,18 +190,16 @@ def _patch_language_once() -> bool:
     original = getattr(_interp, "_patch_lang", None)
     if not callable(original) or getattr(original, "_mrv2_kept", False):
         return callable(original)
-    patched: set[frozenset[int]] = set()
-    seen: set[tuple[int, int]] = set()  # (globals dict, its size) already looked at
-
     def patch_lang_once(fn):
         key = (id(fn.__globals__), len(fn.__globals__))
-        if key not in seen:  # NOTE: a module's globals change size when names are added
+        if key not in _SEEN:  # NOTE: a module's globals change size when names are added
             modules = frozenset(id(v) for v in fn.__globals__.values()
                                 if isinstance(v, type(sys)))
-            if modules not in patched:
-                original(fn)  # its scope is dropped: the patch stays for the process
-                patched.add(modules)
-            seen.add(key)
+            if modules not in _PATCHED:
+                # the patch stays for the process (only compiled_language undoes it)
+                _KEPT_SCOPES.append(original(fn))
+                _PATCHED.add(modules)
+            _SEEN.add(key)
         return _KeptPatch()
 
     patch_lang_once._mrv2_kept = True
