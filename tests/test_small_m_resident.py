@@ -109,6 +109,22 @@ def test_sm90_ptx_loads_every_weight_before_the_wait(N, K, kind):
     assert "mma.sync" not in before
 
 
+def test_sm90_ptx_compiles_after_an_interpreted_kernel_with_a_cold_cache(tmp_path, monkeypatch):
+    """The interpreter's patched language stays for the process; sm90_ptx must compile past it
+    (it failed once an interpreted kernel had run and the cache held no copy)."""
+    import triton
+
+    if not TRITON_INTERPRET:
+        pytest.skip("the interpreter's patch is what this is about")
+    x = torch.randn(3, 64)
+    small_m_linear_add(x, torch.randn(8, 64), torch.zeros(3, 8))     # an interpreted launch
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))      # nothing cached
+    ptx, _, _ = small_m_resident.sm90_ptx(16, 1024, 2048, "add")
+    assert "griddepcontrol.wait" in ptx
+    torch.testing.assert_close(small_m_linear_add(x, torch.eye(8, 64), torch.zeros(3, 8)),
+                               x[:, :8])                               # ... and the interpreter again
+
+
 # --- the GPU ------------------------------------------------------------------------------
 
 def _resident_on(monkeypatch):
@@ -126,13 +142,17 @@ def _block_m(monkeypatch, block_m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
 @pytest.mark.parametrize("M", [3, 4, 16, 17, 32, 33, 64])
-@pytest.mark.parametrize("block_m", [None, 32])
-def test_gpu_bf16_qwen3_shapes_match_the_references(M, block_m, monkeypatch):
+@pytest.mark.parametrize("launches", ["default", "block_m_32", "candidates"])
+def test_gpu_bf16_qwen3_shapes_match_the_references(M, launches, monkeypatch):
     """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
-    small_m_fused's own kernel (the same roundings, another summation order); at the
-    default launches and with every op taking 32 rows a pass (rows past M masked)."""
-    if block_m:
-        _block_m(monkeypatch, block_m)
+    small_m_fused's own kernel (the same roundings, another summation order): at the
+    default launches, with every op taking 32 rows a pass (rows past M masked), and at
+    ``LAUNCH_CANDIDATES`` (the sweep's faster launches, which need this test to pass)."""
+    if launches == "block_m_32":
+        _block_m(monkeypatch, 32)
+    if launches == "candidates":
+        for (name, kind), launch in small_m_resident.LAUNCH_CANDIDATES.items():
+            monkeypatch.setitem(getattr(small_m_resident, name), kind, launch)
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, 1024, generator=g, **kw)

@@ -51,14 +51,19 @@
 #      and 3af3236 (warp slices of 32 keys): the per-op probe (scripts/probe_resident_kernels.py)
 #      at 16-64 rows, then N without K's tests (they passed in job 21N). Run with
 #      LIMIT=<the call's seconds - 60, the probe's> ROWS=4,16,32,64 SWEEP_ROWS= BATCHES=1,16,32
+#   Q  (session 22) small_m_resident's LAUNCH_CANDIDATES (the per-op sweep's winners, jobs
+#      22A-B) and BLOCK_M = 32: their GPU tests, the chain with a sweep at 16 / 32 rows, TPOT
+#      against main's default (~8 min; if the candidates' tests pass and TPOT agrees, copy them
+#      into LAUNCH / LAUNCH_OVER_16)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-P}
+part=${1:?part A-Q}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
+RS=mrv2.kernels.small_m_resident
 DA=mrv2.kernels.decode_attention
 AT=mrv2.kernels.attention
 py() { python3 "$@" 2>&1 | tee -a "$OUT/log_$part.txt"; }
@@ -153,7 +158,6 @@ L)
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
   ;;
 M)
-  RS=mrv2.kernels.small_m_resident
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_resident_processes.json" \
      --variant default= --variant fused16="--set $RS:ENABLED=false" \
      --variant resident16="--set $RS:MODEL_MAX_M=16" \
@@ -175,6 +179,19 @@ P)
   py scripts/probe_resident_kernels.py --rows 16,17,32,33,64 --out "$OUT/resident_kernels.json"
   NOPART=1 bash "$0" N
   ;;
+Q)
+  # The GPU tests of the resident at LAUNCH_CANDIDATES and BLOCK_M = 32 and of the model
+  # against transformers, the chain and a sweep at 16 / 32 rows (BLOCK_M too), then TPOT:
+  # main's default (the resident, 3-32 rows) against the candidates and small_m_fused's 3-16.
+  py -m pytest -q tests/test_small_m_resident.py tests/test_gpu_qwen3.py
+  py scripts/bench_resident_chain.py --rows 4,16,24,32,48,64 --sweep "${SWEEP_ROWS-16,32}" \
+     --out "$OUT/resident_chain.json"
+  CAND="--set '$RS:LAUNCH={\"norm\":[32,16,16],\"add\":[8,8,16],\"gate_up\":[32,8,16]}'"
+  CAND="$CAND --set '$RS:LAUNCH_OVER_16={\"norm\":[32,16,16],\"add\":[32,8,16],\"gate_up\":[32,8,16]}'"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_resident_cand_processes.json" \
+     --variant default= --variant candidates="$CAND" --variant fused16="--set $RS:ENABLED=false" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,8,16,24,32}
+  ;;
 O)
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_hostbound_fused_attention.json" \
      --variant default= --variant fused256="--set $DA:MAX_TOKENS=256" \
@@ -189,5 +206,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-P)"; exit 2 ;;
+*) echo "unknown part $part (A-Q)"; exit 2 ;;
 esac

@@ -45,7 +45,9 @@ small_m_fused 766 / 754 / 1,024 / 1,253, cuBLAS 818 / 910 / 917 / 950), per op a
 processes (one round) at batch 16 / 32 1.231 / 1.554 -> 1.137 / 1.440 ms. Hence ON by default,
 and the model's decode layers send it 3-32 rows (``MODEL_MAX_M``). What stays: every program
 reads all of x from L2 once per 16-row block, so the cost still grows with the rows (64 rows
-lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (not yet measured).
+lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (compiled, not yet run: at 16
+it compiles to the same instructions as before it existed), and ``LAUNCH_CANDIDATES`` wait
+for the GPU's numeric tests.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mrv2.kernels import pdl
-from mrv2.platform import TRITON_INTERPRET, env_switch
+from mrv2.platform import TRITON_INTERPRET, compiled_language, env_switch
 
 #: Route ``small_m_fused``'s entry points here where ``fits``: on by default on the GPU since
 #: job 22P (H100: the 28-layer chain 566 / 609 / 839 us at 4 / 16 / 32 rows against
@@ -76,17 +78,22 @@ MAX_M = 64
 MAX_KCH = 1024
 MAX_CHUNKS = 4
 #: Launch per op kind (``"norm"``, ``"add"``, ``"gate_up"``): BLOCK_N, warps, BLOCK_M (the rows
-#: a pass of the row loop takes, 16 or 32), for up to 16 rows. Compiled for sm_90 (Triton 3.6, ptxas) qkv at (32, 16) takes 128
-#: registers a thread (1 program an SM, 128 programs), o_proj and down at (8, 8) 104 and 136
-#: (128 programs). Measured per op on the 28-layer chain (H100, jobs 22A-B, ``--sweep``): gate_up
-#: at (32, 8), 48 programs of 8 warps, gave 520 / 567 / 799 us at 4 / 16 / 32 rows against
-#: (32, 16)'s 567 / 610 / 842; the others' first guesses were within 2% of their best.
-LAUNCH = {"norm": (32, 16, 16), "add": (8, 8, 16), "gate_up": (32, 8, 16)}
-#: ... and from 17 rows (two or more blocks of 16 rows, each re-reading x): o_proj and down
-#: at (32, 8), 32 programs, took 800 us at 32 rows against (8, 8)'s 842 (job 22A): fewer
-#: programs, fewer reads of x from L2. (ptxas: 250 registers at K = 2,048, 255 and 112 bytes
-#: of spills at 3,072; gate_up at (32, 8) 255 and none.)
-LAUNCH_OVER_16 = {**LAUNCH, "add": (32, 8, 16)}
+#: a pass of the row loop takes, 16 or 32), for up to 16 rows. Compiled for sm_90 (Triton 3.6,
+#: ptxas) qkv at (32, 16) takes 127 registers a thread (1 program an SM, 128 programs), o_proj
+#: and down at (8, 8) 104 and 136 (128 programs), gate_up at (32, 16) 128 (96 programs): the
+#: launches the GPU checked the numbers of and timed in the model (jobs 21N, 22P).
+LAUNCH = {"norm": (32, 16, 16), "add": (8, 8, 16), "gate_up": (32, 16, 16)}
+#: ... and from 17 rows (two or more blocks of 16 rows, each re-reading x).
+LAUNCH_OVER_16 = dict(LAUNCH)
+#: Faster launches a per-op sweep found on the 28-layer chain (H100, jobs 22A-B) whose numbers
+#: no GPU has checked yet (``test_gpu_bf16_qwen3_shapes_match_the_references``, candidates):
+#: gate_up at (32, 8), 48 programs of 8 warps (255 registers, no spills), 520 / 567 / 799 us
+#: at 4 / 16 / 32 rows against (32, 16)'s 567 / 610 / 842; over 16 rows o_proj and down at
+#: (32, 8), 32 programs (fewer reads of x; 250 registers at K = 2,048, 255 and 112 bytes of
+#: spills at 3,072), 800 against 842 us at 32 rows. ``(table, kind) -> launch``.
+LAUNCH_CANDIDATES = {("LAUNCH", "gate_up"): (32, 8, 16),
+                     ("LAUNCH_OVER_16", "gate_up"): (32, 8, 16),
+                     ("LAUNCH_OVER_16", "add"): (32, 8, 16)}
 #: The warps' sum buffer ([S, 16, BLOCK_N] fp32): RED_PAD words of padding after every
 #: RED_INTERVAL, so a warp's accumulator store and the read-back hit distinct banks
 #: (chapter 10 checks the arithmetic for BLOCK_N 8 / 16 / 32).
@@ -403,7 +410,7 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
     # constexprs), minus the launch: Triton internals, checked by the CPU tests.
     target = GPUTarget("cuda", 90, 32)
     fn = _resident_kernel
-    with warnings.catch_warnings():   # Triton 3.9's notice about its FP-fusion default
+    with warnings.catch_warnings(), compiled_language():   # Triton 3.9's FP-fusion notice
         warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")
         backend = make_backend(target)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
