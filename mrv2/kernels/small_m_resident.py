@@ -339,17 +339,21 @@ def _has_mma_v2(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 8
 
 
+def _half_on_mma_gpu(x: torch.Tensor) -> bool:
+    # bf16 / fp16 on a GPU whose tensor cores take mma_v2 (a CUDA tensor's device has an index).
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and _has_mma_v2(x.device.index))
+
+
 def takes(x: torch.Tensor) -> bool:
     """Whether calls on ``x``'s rows may come here (on, device, dtype: graph-safe)."""
-    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and _has_mma_v2(x.device.index if x.device.index is not None
-                            else torch.cuda.current_device()))
+    return ENABLED and _half_on_mma_gpu(x)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:
     """Whether this kernel takes a call (shapes, dtypes, device only: graph-safe)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_M
-            and chunks(K) is not None and chunks(K)[0] >= MIN_SLICE and weight.stride(1) == 1)
+    return (_half_on_mma_gpu(x) and x.shape[0] <= MAX_M and chunks(K) is not None
+            and chunks(K)[0] >= MIN_SLICE and weight.stride(1) == 1)
 
 
 def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
