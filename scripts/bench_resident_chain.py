@@ -11,7 +11,8 @@ attention left out) at the rows given, three runners in one process:
   weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``.
 
 ``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
-above 16 rows) per op kind (BLOCK_N x warps), the other kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
+above 16 rows) per op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other
+kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
 
     python scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep 32 --out r.json
 """

@@ -13,11 +13,11 @@ import pytest
 import torch
 from device_utils import qwen3_layer_weights
 from test_skinny_fused import TOL, _inputs  # the fused kernels' inputs and tolerance
-from test_small_m_fused import _llm_tokens
+from test_small_m_fused import _llm_tokens, _own_kernel  # noqa: F401 (autouse fixture)
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM
-from mrv2.kernels import pdl, small_m_fused, small_m_resident, split_k
+from mrv2.kernels import pdl, small_m_fused, split_k
 from mrv2.kernels.skinny_fused import (
     skinny_linear_add_ref,
     skinny_norm_gate_up_silu_ref,
@@ -30,14 +30,6 @@ from mrv2.kernels.small_m_fused import (
     split_k_for,
 )
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
-
-
-@pytest.fixture(autouse=True)
-def _own_kernel(monkeypatch):
-    # These tests are small_m_fused's own Triton kernel: its entry points hand bf16 / fp16
-    # GPU calls to small_m_resident by default (tests/test_small_m_resident.py).
-    monkeypatch.setattr(small_m_resident, "ENABLED", False)
-
 
 # (M, N, K, bias): ragged N at block_n 16, one and two row blocks at block_m 16, 0 rows.
 CASES = [(3, 40, 256, False), (17, 24, 512, True), (5, 64, 1024, True), (0, 24, 256, True)]

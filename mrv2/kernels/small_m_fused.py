@@ -104,9 +104,11 @@ def use_small_m_fused(x: torch.Tensor) -> bool:
     """Whether a forward over ``x [T, hidden]`` takes this path (shapes, dtype, device only:
     graph-safe): 3-16 rows, and up to ``small_m_resident.MODEL_MAX_M`` where the resident
     kernel takes them."""
-    top = max(MODEL_MAX_M, small_m_resident.MODEL_MAX_M if small_m_resident.takes(x) else 0)
-    return (ENABLED and x.dim() == 2 and MODEL_MIN_M <= x.shape[0] <= top
-            and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET))
+    if not (ENABLED and x.dim() == 2 and x.stride(1) == 1 and (x.is_cuda or TRITON_INTERPRET)):
+        return False
+    rows = x.shape[0]
+    return MODEL_MIN_M <= rows and (rows <= MODEL_MAX_M or (
+        rows <= small_m_resident.MODEL_MAX_M and small_m_resident.takes(x)))
 
 
 @triton.jit
