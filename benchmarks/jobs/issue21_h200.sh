@@ -55,11 +55,14 @@
 #      22A-B) and BLOCK_M = 32: their GPU tests, the chain with a sweep at 16 / 32 rows, TPOT
 #      against main's default (~8 min; if the candidates' tests pass and TPOT agrees, copy them
 #      into LAUNCH / LAUNCH_OVER_16)
+#   R  (session 23) where main stands, per kernel and per workload: the decode step's table at
+#      the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96 keys), host-bound
+#      v2,v1 and standard v2 (~6 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-Q}
+part=${1:?part A-R}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -197,6 +200,14 @@ O)
      --variant default= --variant fused256="--set $DA:MAX_TOKENS=256" \
      -- bench throughput --workload host-bound --runner v2,v1
   ;;
+R)
+  py -m mrv2 bench decode --batch-sizes 1,4,16,32 --contexts 192 --max-model-len 256 \
+     --out "$OUT/decode_steps_latency_shape.json"
+  py -m mrv2 bench decode --batch-sizes 64,256 --contexts 96 --max-model-len 256 \
+     --out "$OUT/decode_steps_hostbound_shape.json"
+  py -m mrv2 bench throughput --workload host-bound --runner v2,v1 --out "$OUT/bench_host-bound.json"
+  py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -206,5 +217,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Q)"; exit 2 ;;
+*) echo "unknown part $part (A-R)"; exit 2 ;;
 esac
