@@ -45,9 +45,16 @@ small_m_fused 766 / 754 / 1,024 / 1,253, cuBLAS 818 / 910 / 917 / 950), per op a
 processes (one round) at batch 16 / 32 1.231 / 1.554 -> 1.137 / 1.440 ms. Hence ON by default,
 and the model's decode layers send it 3-32 rows (``MODEL_MAX_M``). What stays: every program
 reads all of x from L2 once per 16-row block, so the cost still grows with the rows (64 rows
-lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (compiled, not yet run: at 16
-it compiles to the same instructions as before it existed), and ``LAUNCH_CANDIDATES`` wait
-for the GPU's numeric tests.
+lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (at 16 it compiles to the same
+instructions as before it existed; its GPU tests pass, but at 32 rows the sweep's best launch
+of each op reads 16 rows a pass, job 23Q). From 17 rows o_proj, gate_up and down take BLOCK_N 32 with 8 warps
+(``LAUNCH_OVER_16``: chain 843 -> 770-782 us at 32 rows, TPOT at batch 32 1.437 -> 1.417 ms).
+
+Why the weight loads before the wait pay (chapter 10): on the chain without PDL the same
+kernels take 740 / 782 / 1,005 us at 4 / 16 / 32 rows, with it 565 / 609 / 769 (job 23T),
+although ptxas gives qkv and gate_up every register of their SM (``scripts/occupancy_sm90.py
+--resident-rows``): the next kernel's programs can start only on the SMs a kernel leaves
+free, or as its programs end, never beside them.
 """
 
 from __future__ import annotations
@@ -83,17 +90,20 @@ MAX_CHUNKS = 4
 #: and down at (8, 8) 104 and 136 (128 programs), gate_up at (32, 16) 128 (96 programs): the
 #: launches the GPU checked the numbers of and timed in the model (jobs 21N, 22P).
 LAUNCH = {"norm": (32, 16, 16), "add": (8, 8, 16), "gate_up": (32, 16, 16)}
-#: ... and from 17 rows (two or more blocks of 16 rows, each re-reading x).
-LAUNCH_OVER_16 = dict(LAUNCH)
-#: Faster launches a per-op sweep found on the 28-layer chain (H100, jobs 22A-B) whose numbers
-#: no GPU has checked yet (``test_gpu_bf16_qwen3_shapes_match_the_references``, candidates):
-#: gate_up at (32, 8), 48 programs of 8 warps (255 registers, no spills), 520 / 567 / 799 us
-#: at 4 / 16 / 32 rows against (32, 16)'s 567 / 610 / 842; over 16 rows o_proj and down at
-#: (32, 8), 32 programs (fewer reads of x; 250 registers at K = 2,048, 255 and 112 bytes of
-#: spills at 3,072), 800 against 842 us at 32 rows. ``(table, kind) -> launch``.
-LAUNCH_CANDIDATES = {("LAUNCH", "gate_up"): (32, 8, 16),
-                     ("LAUNCH_OVER_16", "gate_up"): (32, 8, 16),
-                     ("LAUNCH_OVER_16", "add"): (32, 8, 16)}
+#: ... and from 17 rows (two or more blocks of 16 rows, each re-reading x): gate_up, o_proj and
+#: down at BLOCK_N 32 with 8 warps (gate_up 96 programs, 255 registers; o_proj and down 32
+#: programs, fewer reads of x; down spills 112 bytes at K = 3,072). A per-op sweep on the
+#: 28-layer chain found them (H100, jobs 22A-B: 800 against 842 us at 32 rows for the add
+#: kernels, 799 against 842 for gate_up); their GPU tests passed (job 23Q), the chain at 32 rows
+#: took 770-782 us against 843, and TPOT over fresh processes against the launches before,
+#: faster in both rounds: batch 24 1.347 -> 1.339 ms, batch 32 1.437 -> 1.417 (job 23S).
+LAUNCH_OVER_16 = {"norm": (32, 16, 16), "add": (32, 8, 16), "gate_up": (32, 8, 16)}
+#: Launches that passed the GPU's numeric tests (``test_gpu_bf16_qwen3_shapes_match_the_
+#: references``, candidates) but are not the default: gate_up at (32, 8) up to 16 rows is
+#: faster on the chain (520 / 567 against 567 / 610 us at 4 / 16 rows, job 22A) and slower in
+#: the model, TPOT at batch 4 / 8 0.955 / 1.008 -> 0.971 / 1.064 ms (job 23Q, with the 17-32-row
+#: launches above; both rounds). ``(table, kind) -> launch``.
+LAUNCH_CANDIDATES = {("LAUNCH", "gate_up"): (32, 8, 16)}
 #: The warps' sum buffer ([S, 16, BLOCK_N] fp32): RED_PAD words of padding after every
 #: RED_INTERVAL, so a warp's accumulator store and the read-back hit distinct banks
 #: (chapter 10 checks the arithmetic for BLOCK_N 8 / 16 / 32).
@@ -381,8 +391,8 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
     return out
 
 
-def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
-    """The PTX one launch compiles to for an H100 / H200 (sm_90, bf16, PDL on), no GPU needed.
+def sm90_kernel(M: int, N: int, K: int, kind: str):
+    """One launch compiled for an H100 / H200 (sm_90, bf16, PDL on), no GPU needed.
 
     Args:
         M, N, K: rows, output columns, reduction length (``N`` per gate / up half).
@@ -390,7 +400,8 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
             ``"gate_up"`` (norm + gate_up + SiLU * up).
 
     Returns:
-        ``(ptx, block_n, num_warps)``: the PTX text and the launch it was compiled for.
+        ``(kernel, block_n, num_warps)``: Triton's compiled kernel (``kernel.asm["ptx"]``,
+        ``kernel.metadata.shared``) and the launch it was compiled for.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -422,4 +433,10 @@ def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
         options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
         kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
                                 options=options.__dict__)
+    return kernel, block_n, warps
+
+
+def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:
+    """``(ptx, block_n, num_warps)``: the PTX text of ``sm90_kernel``'s launch."""
+    kernel, block_n, warps = sm90_kernel(M, N, K, kind)
     return kernel.asm["ptx"], block_n, warps
