@@ -8,7 +8,8 @@ attention left out) at the rows given, three runners in one process:
 * ``fused_pdl``: ``small_m_fused``'s tensor-core kernels with PDL (weights tile by tile
   after the wait);
 * ``resident_pdl``: the same entry points routed to ``small_m_resident`` (each program's
-  weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``.
+  weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``;
+* ``resident``: the same without PDL (each kernel starts when the one before has ended).
 
 ``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
 above 16 rows) per op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other
@@ -53,7 +54,10 @@ def _runners() -> dict:
         chain_bench._fused_with(small_m_fused.SMALL_M_OPS), True), False)
     return {"cublas": _resident(chain_bench._with_pdl(chain_bench._unfused(F.linear), False),
                                 False),
-            "fused_pdl": _resident(fused, False), "resident_pdl": _resident(fused, True)}
+            "fused_pdl": _resident(fused, False), "resident_pdl": _resident(fused, True),
+            # the same launches without PDL: what the weight loads before the wait buy
+            "resident": _resident(chain_bench._with_split(chain_bench._with_pdl(
+                chain_bench._fused_with(small_m_fused.SMALL_M_OPS), False), False), True)}
 
 
 def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
@@ -78,10 +82,12 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
                 row["max_abs_fused"] = got["fused_pdl"].abs().max().item()
             out["chain"].append(row)
         print(f"chain M={m} ({layers} layers, {mb:.0f} MB): " + "  ".join(
-            f"{r['runner']} {r['us_per_step']:7.1f} us" for r in out["chain"][-3:]), flush=True)
+            f"{r['runner']} {r['us_per_step']:7.1f} us" for r in out["chain"][-len(runners):]),
+            flush=True)
         if m not in sweep_rows:
             continue
-        base = out["chain"][-1]["us_per_step"]
+        base = next(r["us_per_step"] for r in out["chain"][-len(runners):]
+                    if r["runner"] == "resident_pdl")
         # NOTE: the table ``launch`` reads at m rows.
         table = small_m_resident.LAUNCH if m <= 16 else small_m_resident.LAUNCH_OVER_16
         for kind in KINDS:

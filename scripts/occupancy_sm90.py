@@ -180,6 +180,50 @@ def gemm_launches(rows_list: list[int]) -> list[tuple[str, dict, object, tuple]]
     return out
 
 
+#: The decode layer's resident GEMMs in launch order (Qwen3-0.6B): op -> (kind, N, K).
+RESIDENT_OPS = {"qkv": ("norm", 4096, 1024), "o_proj": ("add", 1024, 2048),
+                "gate_up": ("gate_up", 3072, 1024), "down": ("add", 1024, 3072)}
+
+
+def regs_per_program(regs: int, num_warps: int) -> int:
+    """Registers one program takes from its SM's 65,536 (allocated per warp in 256s)."""
+    return -(-max(regs, 1) * 32 // 256) * 256 * num_warps
+
+
+def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
+    """small_m_resident's four GEMMs at each row count (the package's launches), and whether
+    one program of each fits on an SM BESIDE one of the kernel before it (the previous op of
+    the layer; o_proj's is attention's, left out). PDL lets kernel i+1's programs start their
+    weight loads while kernel i drains only where they fit beside it."""
+    from mrv2.kernels import small_m_resident
+    rows = []
+    for m in rows_list:
+        prev = None
+        for op in (*RESIDENT_OPS, "qkv"):                  # ... then the next layer's qkv
+            kind, n, k = RESIDENT_OPS[op]
+            kernel, block_n, warps = small_m_resident.sm90_kernel(m, n, k, kind)
+            regs, spill = _ptxas(kernel, ptx_dir / f"resident_{op}_M{m}")
+            smem = kernel.metadata.shared
+            row = {"launch": f"small_m_resident {op} M{m}", "op": op, "rows": m,
+                   "config": {"block_n": block_n, "num_warps": warps,
+                              "block_m": small_m_resident.launch(kind, k, m)[2]},
+                   "grid_programs": -(-n // block_n), "num_warps": warps, "registers": regs,
+                   "spill_bytes": spill, "shared_bytes": smem,
+                   "regs_per_program": regs_per_program(regs, warps),
+                   **programs_per_sm(regs, warps, smem)}
+            if prev is not None and op != "o_proj":
+                row["fits_beside_previous"] = (
+                    row["regs_per_program"] + prev["regs_per_program"] <= REGS_PER_SM
+                    and smem + prev["shared_bytes"] + 2 * SMEM_RESERVED <= SMEM_PER_SM
+                    and warps + prev["num_warps"] <= WARPS_PER_SM)
+            if prev is None or op != "qkv":
+                rows.append(row)
+            else:                                          # the next layer's qkv: one flag
+                rows[-4]["fits_beside_previous"] = row["fits_beside_previous"]
+            prev = row
+    return rows
+
+
 def heads_launches(heads_list: list[int], variants: list[dict]
                    ) -> list[tuple[str, dict, object, tuple]]:
     """``decode_heads``' launch at batch 256 (Qwen3-0.6B, bf16, 96 keys) for each heads a
@@ -215,6 +259,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--heads", default="",
                     help="also decode_heads' batch-256 launch at these KV heads a program "
                          "(e.g. 2,4,8), with the --variants that set its launch knobs")
+    ap.add_argument("--resident-rows", default="",
+                    help="also small_m_resident's four GEMMs at these rows (e.g. 16,32), "
+                         "and whether each fits beside the kernel before it")
     ap.add_argument("--out", default=None, help="JSON of the rows")
     ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
     args = ap.parse_args(argv)
@@ -249,6 +296,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
               f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
               f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")
+    if args.resident_rows:
+        for r in resident_rows([int(m) for m in args.resident_rows.split(",")], ptx_dir):
+            rows.append(r)
+            print(f"{r['launch']:36s} {json.dumps(r['config']):40s} {r['grid_programs']:5d} "
+                  f"progs {r['num_warps']:2d} warps {r['registers']:3d} regs "
+                  f"{r['spill_bytes']:4d} B spill {r['shared_bytes'] // 1024:3d} KB smem, "
+                  f"{r['regs_per_program'] / REGS_PER_SM:4.0%} of an SM's registers; fits "
+                  f"beside the kernel before: {r.get('fits_beside_previous', 'n/a (attention)')}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows

@@ -58,11 +58,19 @@
 #   R  (session 23) where main stands, per kernel and per workload: the decode step's table at
 #      the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96 keys), host-bound
 #      v2,v1 and standard v2 (~6 min)
+#   S  (session 23) does PDL overlap the resident kernels? (ptxas: qkv and gate_up take all
+#      of an SM's registers, so the next kernel's programs only start on the SMs they leave
+#      free) the chain with PDL on / off at 4 / 16 / 32 rows (the chain forces PDL on: its
+#      runner ``resident`` is the one without; MRV2_PDL=0 changed nothing, job 23S); then TPOT at batch 24 / 32:
+#      main (LAUNCH_OVER_16 adopted) / the launches before / attention in 1 split at 17-32
+#      requests instead of 2 (~5 min)
+#   T  (session 23) S's chain with its no-PDL runner, then main's decode-step table and TPOT at
+#      batch 1-32 (after LAUNCH_OVER_16), ~4 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-R}
+part=${1:?part A-T}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -208,6 +216,20 @@ R)
   py -m mrv2 bench throughput --workload host-bound --runner v2,v1 --out "$OUT/bench_host-bound.json"
   py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
   ;;
+S)
+  py scripts/bench_resident_chain.py --rows 4,16,32 --out "$OUT/resident_chain_pdl.json"
+  OLD="--set '$RS:LAUNCH_OVER_16={\"norm\":[32,16,16],\"add\":[8,8,16],\"gate_up\":[32,16,16]}'"
+  ONE="--decode-launch '{\"lo\":17,\"hi\":32,\"num_splits\":1,\"block_n\":64}'"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_over16_processes.json" \
+     --variant default= --variant before="$OLD" --variant attn1split="$ONE" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-24,32}
+  ;;
+T)
+  py scripts/bench_resident_chain.py --rows 4,16,32 --out "$OUT/resident_chain_pdl.json"
+  py -m mrv2 bench decode --batch-sizes 1,4,16,32 --contexts 192 --max-model-len 256 \
+     --out "$OUT/decode_steps_latency_shape.json"
+  py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,24,32 --out "$OUT/bench_latency.json"
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -217,5 +239,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-R)"; exit 2 ;;
+*) echo "unknown part $part (A-T)"; exit 2 ;;
 esac
