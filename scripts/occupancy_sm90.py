@@ -190,12 +190,21 @@ def regs_per_program(regs: int, num_warps: int) -> int:
     return -(-max(regs, 1) * 32 // 256) * 256 * num_warps
 
 
+def fits_beside(a: dict, b: dict) -> bool:
+    """Whether one program of launch ``a`` and one of ``b`` fit on one SM together (rows
+    with ``regs_per_program``, ``shared_bytes``, ``num_warps``)."""
+    return (a["regs_per_program"] + b["regs_per_program"] <= REGS_PER_SM
+            and a["shared_bytes"] + b["shared_bytes"] + 2 * SMEM_RESERVED <= SMEM_PER_SM
+            and a["num_warps"] + b["num_warps"] <= WARPS_PER_SM)
+
+
 def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
     """small_m_resident's four GEMMs at each row count (the package's launches), and whether
     one program of each fits on an SM BESIDE one of the kernel before it (the previous op of
     the layer; o_proj's is attention's, left out). PDL lets kernel i+1's programs start their
     weight loads while kernel i drains only where they fit beside it."""
     from mrv2.kernels import small_m_resident
+    ptx_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for m in rows_list:
         prev = None
@@ -212,10 +221,7 @@ def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
                    "regs_per_program": regs_per_program(regs, warps),
                    **programs_per_sm(regs, warps, smem)}
             if prev is not None and op != "o_proj":
-                row["fits_beside_previous"] = (
-                    row["regs_per_program"] + prev["regs_per_program"] <= REGS_PER_SM
-                    and smem + prev["shared_bytes"] + 2 * SMEM_RESERVED <= SMEM_PER_SM
-                    and warps + prev["num_warps"] <= WARPS_PER_SM)
+                row["fits_beside_previous"] = fits_beside(prev, row)
             if prev is None or op != "qkv":
                 rows.append(row)
             else:                                          # the next layer's qkv: one flag

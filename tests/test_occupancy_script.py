@@ -24,3 +24,19 @@ def test_programs_an_sm_holds(monkeypatch):
     assert programs_per_sm(16, 1, 0) == {"programs_per_sm": 32, "bound_by": "blocks"}
     # 255 registers x 8 warps: 8,192 a warp -> 8 warps -> exactly one program
     assert programs_per_sm(255, 8, 0)["programs_per_sm"] == 1
+
+
+def test_registers_a_program_and_fitting_beside(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    occ = load_script("occupancy_sm90")
+    # 127 registers round up to 128 a thread (4,096 a warp): 16 warps take all 65,536
+    assert occ.regs_per_program(127, 16) == 65536
+    assert occ.regs_per_program(104, 8) == 26624          # 104 -> 3,328 a warp (13 x 256)
+    whole = {"regs_per_program": 65536, "shared_bytes": 41 * 1024, "num_warps": 16}
+    o_proj = {"regs_per_program": 26624, "shared_bytes": 4096, "num_warps": 8}
+    down = {"regs_per_program": 34816, "shared_bytes": 4096, "num_warps": 8}
+    assert not occ.fits_beside(whole, o_proj)             # no register left beside it
+    assert occ.fits_beside(o_proj, down)                  # 61,440 of 65,536
+    big_smem = {**o_proj, "shared_bytes": 120 * 1024}
+    assert not occ.fits_beside(big_smem, {**down, "shared_bytes": 110 * 1024})
+    assert not occ.fits_beside({**o_proj, "num_warps": 40}, {**down, "num_warps": 32})
