@@ -62,6 +62,15 @@ def test_experiment_runs_are_never_the_figure(tmp_path):
     assert path.name == "default.json"
 
 
+def test_other_gpus_are_evidence_not_the_figure(tmp_path):
+    """The book plots the H200 (``BOOK_GPU``): a newer H100 run is kept but not plotted."""
+    _write(tmp_path, "h200.json", _steps("2026-12-01T00:00:00+00:00"))
+    h100 = {"device": "cuda", "name": "NVIDIA H100 80GB HBM3"}
+    _write(tmp_path, "h100.json", _steps("2026-12-07T00:00:00+00:00", hardware=h100))
+    assert newest_result("decode_steps", folder=tmp_path)[0].name == "h200.json"
+    assert newest_result("decode_steps", folder=tmp_path, gpu_only=False)[0].name == "h100.json"
+
+
 def test_latency_filters_workload_runners_speculation_graph_mode_and_cpu_runs(tmp_path):
     _write(tmp_path, "plain.json", _latency("2026-11-01"))
     _write(tmp_path, "spec.json", _latency("2026-12-05", speculative="ngram"))
