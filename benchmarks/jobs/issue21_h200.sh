@@ -68,11 +68,14 @@
 #      requests instead of 2 (~5 min)
 #   T  (session 23) S's chain with its no-PDL runner, then main's decode-step table and TPOT at
 #      batch 1-32 (after LAUNCH_OVER_16), ~4 min
+#   U  (session 23) up to 16 rows, o_proj / down at BLOCK_N 32 (32 programs, 100 SMs left
+#      free for gate_up / the next qkv) or 16 (64 programs, half an SM's registers) instead of
+#      (8, 8): TPOT at batch 4 / 8 / 16, fresh processes (~3.5 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-T}
+part=${1:?part A-U}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -232,6 +235,13 @@ T)
      --out "$OUT/decode_steps_latency_shape.json"
   py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,24,32 --out "$OUT/bench_latency.json"
   ;;
+U)
+  A32="--set '$RS:LAUNCH={\"norm\":[32,16,16],\"add\":[32,8,16],\"gate_up\":[32,16,16]}'"
+  A16="--set '$RS:LAUNCH={\"norm\":[32,16,16],\"add\":[16,8,16],\"gate_up\":[32,16,16]}'"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_add16_processes.json" \
+     --variant default= --variant add32x8="$A32" --variant add16x8="$A16" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16}
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -241,5 +251,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-T)"; exit 2 ;;
+*) echo "unknown part $part (A-U)"; exit 2 ;;
 esac
