@@ -70,7 +70,9 @@
 #      batch 1-32 (after LAUNCH_OVER_16), ~4 min
 #   U  (session 23) up to 16 rows, o_proj / down at BLOCK_N 32 (32 programs, 100 SMs left
 #      free for gate_up / the next qkv) or 16 (64 programs, half an SM's registers) instead of
-#      (8, 8): TPOT at batch 4 / 8 / 16, fresh processes (~3.5 min)
+#      (8, 8): TPOT at batch 4 / 8 / 16, fresh processes (~3.5 min). U3=noprefetch="--set
+#      $DA:PREFETCH=false" swaps the third variant for attention without its prefetch (qkv
+#      takes every register of its SMs now, so attention's programs rarely start early)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -239,7 +241,7 @@ U)
   A32="--set '$RS:LAUNCH={\"norm\":[32,16,16],\"add\":[32,8,16],\"gate_up\":[32,16,16]}'"
   A16="--set '$RS:LAUNCH={\"norm\":[32,16,16],\"add\":[16,8,16],\"gate_up\":[32,16,16]}'"
   py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_add16_processes.json" \
-     --variant default= --variant add32x8="$A32" --variant add16x8="$A16" \
+     --variant default= --variant add32x8="$A32" --variant "${U3:-add16x8=$A16}" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16}
   ;;
 K)
