@@ -8,8 +8,10 @@
 # then, with the device tool: run(command="bash benchmarks/jobs/issue21_h200.sh A",
 # carry=[".carry"], timeout_s=600); the JSON comes back under $OUT (copy it into
 # benchmarks/results/ and set its git_commit: the device copy has no .git).
-# NOTE: in session 23 the device copy's .git said 753834a for trees committed after it; start
-# the command with MRV2_GIT_COMMIT=$(git rev-parse --short HEAD), typed here, to be sure.
+# NOTE: in session 23 the device copy's .git said 753834a for trees committed after it. Every
+# bench JSON now also carries ``source_digest`` (mrv2/**/*.py as it ran), and
+#   python -c 'from mrv2.bench.report import commit_of_digest as c; print(c("<digest>"))'
+# here names the commit it matches (None: uncommitted edits).
 #   A  split-K small_m_fused (3-32 rows): GPU tests, the 28-layer chain, TPOT A/B
 #   B  the batch-256 step's attention (bench decode b256 at 96 keys, the host-bound mean):
 #      default / DECODE_ONE_LOOP / decode_heads 8 and 2 KV heads a program / paged launch of

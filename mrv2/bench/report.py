@@ -8,6 +8,7 @@ figures are printed as a table for the terminal.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -58,6 +59,43 @@ def git_commit(root: pathlib.Path = REPO_ROOT) -> str:
     return "unknown"
 
 
+def _blob_sha1(data: bytes) -> str:
+    # git's object id of a file's bytes: what ``git ls-tree`` lists for it.
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _digest(entries: list[tuple[str, str]]) -> str:
+    lines = "".join(f"{path} {blob}\n" for path, blob in sorted(entries))
+    return hashlib.sha256(lines.encode()).hexdigest()[:16]
+
+
+def source_digest(root: pathlib.Path = REPO_ROOT) -> str:
+    """A digest of the package's source as it ran: every ``mrv2/**/*.py`` by its path and git
+    blob id. Unlike ``git_commit`` it cannot be stale or miss uncommitted edits (a GPU
+    machine's copy of ``.git`` was, in session 23); ``commit_of_digest`` finds the commit."""
+    pkg = root / "mrv2"
+    return _digest([(p.relative_to(root).as_posix(), _blob_sha1(p.read_bytes()))
+                    for p in pkg.rglob("*.py") if "__pycache__" not in p.parts])
+
+
+def commit_of_digest(digest: str, root: pathlib.Path = REPO_ROOT, max_commits: int = 500
+                     ) -> str | None:
+    """The newest commit (of the last ``max_commits``) whose ``mrv2/**/*.py`` has ``digest``,
+    from ``git ls-tree`` (no checkout); None if none has."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=True).stdout
+    for commit in git("rev-list", f"--max-count={max_commits}", "HEAD").split():
+        entries = []
+        for line in git("ls-tree", "-r", commit, "mrv2").splitlines():
+            meta, path = line.split("\t", 1)
+            if path.endswith(".py"):
+                entries.append((path, meta.split()[2]))
+        if _digest(entries) == digest:
+            return commit
+    return None
+
+
 def _cpu_name() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,7 +121,8 @@ def environment() -> dict:
                 "transformers": _version("transformers"), "numpy": _version("numpy"),
                 "mrv2": _version("mrv2"), "triton_interpret": platform.TRITON_INTERPRET}
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "hardware": hw, "versions": versions, "git_commit": git_commit()}
+            "hardware": hw, "versions": versions, "git_commit": git_commit(),
+            "source_digest": source_digest()}
 
 
 def default_out_path(kind: str, workload: str | None, tiny: bool = False,
