@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = json.loads(out.read_text())
                 if not meta:  # where it ran, from the first process's JSON
                     meta = {k: result.get(k) for k in ("date", "hardware", "versions",
-                                                       "git_commit", "config")}
+                                                       "git_commit", "source_digest", "config")}
                 got = figures(result)
                 for k, x in got.items():
                     variants[name]["figures"].setdefault(k, []).append(x)
