@@ -54,10 +54,14 @@ NUM_SMS, REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, BLOCKS_PER_SM = 
     132, 65536, 233472, 1024, 64, 32
 
 
+def regs_per_program(regs: int, num_warps: int) -> int:
+    """Registers one program takes from its SM's 65,536 (allocated per warp in 256s)."""
+    return -(-max(regs, 1) * 32 // 256) * 256 * num_warps
+
+
 def programs_per_sm(regs: int, num_warps: int, smem: int) -> dict:
     """How many programs of a kernel one sm_90 SM holds, and which resource decides."""
-    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    limits = {"registers": REGS_PER_SM // regs_per_warp // num_warps,
+    limits = {"registers": REGS_PER_SM // regs_per_program(regs, num_warps),
               "shared memory": SMEM_PER_SM // (smem + SMEM_RESERVED),
               "warps": WARPS_PER_SM // num_warps, "blocks": BLOCKS_PER_SM}
     bound = min(limits, key=limits.get)
@@ -185,11 +189,6 @@ RESIDENT_OPS = {"qkv": ("norm", 4096, 1024), "o_proj": ("add", 1024, 2048),
                 "gate_up": ("gate_up", 3072, 1024), "down": ("add", 1024, 3072)}
 
 
-def regs_per_program(regs: int, num_warps: int) -> int:
-    """Registers one program takes from its SM's 65,536 (allocated per warp in 256s)."""
-    return -(-max(regs, 1) * 32 // 256) * 256 * num_warps
-
-
 def fits_beside(a: dict, b: dict) -> bool:
     """Whether one program of launch ``a`` and one of ``b`` fit on one SM together (rows
     with ``regs_per_program``, ``shared_bytes``, ``num_warps``)."""
@@ -207,9 +206,8 @@ def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
     ptx_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for m in rows_list:
-        prev = None
-        for op in (*RESIDENT_OPS, "qkv"):                  # ... then the next layer's qkv
-            kind, n, k = RESIDENT_OPS[op]
+        layer = []
+        for op, (kind, n, k) in RESIDENT_OPS.items():
             kernel, block_n, warps = small_m_resident.sm90_kernel(m, n, k, kind)
             regs, spill = _ptxas(kernel, ptx_dir / f"resident_{op}_M{m}")
             smem = kernel.metadata.shared
@@ -220,13 +218,11 @@ def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
                    "spill_bytes": spill, "shared_bytes": smem,
                    "regs_per_program": regs_per_program(regs, warps),
                    **programs_per_sm(regs, warps, smem)}
-            if prev is not None and op != "o_proj":
+            layer.append(row)
+        for prev, row in zip(layer[-1:] + layer[:-1], layer, strict=True):
+            if row["op"] != "o_proj":        # qkv's previous is the last layer's down
                 row["fits_beside_previous"] = fits_beside(prev, row)
-            if prev is None or op != "qkv":
-                rows.append(row)
-            else:                                          # the next layer's qkv: one flag
-                rows[-4]["fits_beside_previous"] = row["fits_beside_previous"]
-            prev = row
+        rows += layer
     return rows
 
 
