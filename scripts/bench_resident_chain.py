@@ -49,15 +49,19 @@ def _resident(run, on: bool):
     return chain_bench._forcing(small_m_resident, "ENABLED", on, run)
 
 
+def _fused(pdl_on: bool):
+    """small_m_fused's entry points over the chain, unsplit, with PDL on or off."""
+    return chain_bench._with_split(chain_bench._with_pdl(
+        chain_bench._fused_with(small_m_fused.SMALL_M_OPS), pdl_on), False)
+
+
 def _runners() -> dict:
-    fused = chain_bench._with_split(chain_bench._with_pdl(
-        chain_bench._fused_with(small_m_fused.SMALL_M_OPS), True), False)
     return {"cublas": _resident(chain_bench._with_pdl(chain_bench._unfused(F.linear), False),
                                 False),
-            "fused_pdl": _resident(fused, False), "resident_pdl": _resident(fused, True),
+            "fused_pdl": _resident(_fused(True), False),
+            "resident_pdl": _resident(_fused(True), True),
             # the same launches without PDL: what the weight loads before the wait buy
-            "resident": _resident(chain_bench._with_split(chain_bench._with_pdl(
-                chain_bench._fused_with(small_m_fused.SMALL_M_OPS), False), False), True)}
+            "resident": _resident(_fused(False), True)}
 
 
 def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
