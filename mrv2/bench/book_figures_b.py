@@ -38,12 +38,16 @@ def _meta(res: dict) -> dict:
     return res.get("meta") or res
 
 
+def _hardware_name(res: dict, default: str) -> str:
+    hw = _meta(res).get("hardware") or {}
+    return hw.get("name", default) if isinstance(hw, dict) else str(hw)
+
+
 def provenance(res: dict) -> str:
     """``hardware · date · commit`` of a results dict (the commit at its top level wins:
     some files carry a hand-corrected one beside ``meta``)."""
     meta = _meta(res)
-    hw = meta.get("hardware") or {}
-    name = hw.get("name", "?") if isinstance(hw, dict) else str(hw)
+    name = _hardware_name(res, "?")
     commit = str(res.get("git_commit") or meta.get("git_commit") or "?")[:7]
     return f"{name} · {str(meta.get('date', '?'))[:10]} · commit {commit}"
 
@@ -70,9 +74,7 @@ def _on_gpu(res: dict) -> bool:
 
 
 def _on_book_gpu(res: dict) -> bool:
-    hw = _meta(res).get("hardware") or {}
-    name = hw.get("name", "") if isinstance(hw, dict) else str(hw)
-    return name.startswith(BOOK_GPU)
+    return _hardware_name(res, "").startswith(BOOK_GPU)
 
 
 def matches(res: dict, kind: str, workload: str | None = None,
