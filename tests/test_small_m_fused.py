@@ -138,7 +138,6 @@ def _llm_tokens(llm, prompts, monkeypatch, on):
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_decode",
                         lambda self, *a: calls.append(a[1].shape[0]) or orig(self, *a))
     monkeypatch.setattr(small_m_fused, "ENABLED", on)
-    monkeypatch.setattr(small_m_resident, "ENABLED", False)   # this module's own kernel
     monkeypatch.setattr(skinny_fused, "ENABLED", False)       # NOTE: on a GPU it is on
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
