@@ -147,7 +147,7 @@ def test_gpu_bf16_qwen3_shapes_match_the_references(M, launches, monkeypatch):
     """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
     small_m_fused's own kernel (the same roundings, another summation order): at the
     default launches, with every op taking 32 rows a pass (rows past M masked), and at
-    ``LAUNCH_CANDIDATES`` (the sweep's faster launches, which need this test to pass)."""
+    ``LAUNCH_CANDIDATES`` (launches the sweep found, tested here, not the default)."""
     if launches == "block_m_32":
         _block_m(monkeypatch, 32)
     if launches == "candidates":

@@ -47,8 +47,9 @@ and the model's decode layers send it 3-32 rows (``MODEL_MAX_M``). What stays: e
 reads all of x from L2 once per 16-row block, so the cost still grows with the rows (64 rows
 lose to cuBLAS); ``BLOCK_M = 32`` takes two blocks in one pass (at 16 it compiles to the same
 instructions as before it existed; its GPU tests pass, but at 32 rows the sweep's best launch
-of each op reads 16 rows a pass, job 23Q). From 17 rows o_proj, gate_up and down take BLOCK_N 32 with 8 warps
-(``LAUNCH_OVER_16``: chain 843 -> 770-782 us at 32 rows, TPOT at batch 32 1.437 -> 1.417 ms).
+of each op reads 16 rows a pass, job 23Q). From 17 rows o_proj, gate_up and down take BLOCK_N
+32 with 8 warps (``LAUNCH_OVER_16``: chain 843 -> 770-782 us at 32 rows, TPOT at batch 32
+1.437 -> 1.417 ms).
 
 Why the weight loads before the wait pay (chapter 10): on the chain without PDL the same
 kernels take 740 / 782 / 1,005 us at 4 / 16 / 32 rows, with it 565 / 609 / 769 (job 23T),
