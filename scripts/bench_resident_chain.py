@@ -9,9 +9,12 @@ attention left out) at the rows given, three runners in one process:
   after the wait);
 * ``resident_pdl``: the same entry points routed to ``small_m_resident`` (each program's
   weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``;
-* ``resident``: the same without PDL (each kernel starts when the one before has ended).
+* ``resident``: the same without PDL (each kernel starts when the one before has ended);
+* ``staged_pdl``: the same entry points routed to ``small_m_staged`` (each program's weights
+  copied into shared memory before the wait), with ``max_abs_diff_vs_fused``.
 
-``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
+``--sweep 16,32`` then walks (at those rows; ``--sweep-runner staged_pdl``: small_m_staged's
+tables) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
 above 16 rows) per op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other
 kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
 
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 
 import bench_skinny_fused as chain_bench
 from mrv2.bench.report import environment
-from mrv2.kernels import small_m_fused, small_m_resident
+from mrv2.kernels import small_m_fused, small_m_resident, small_m_staged
 
 KINDS = ("norm", "add", "gate_up")
 SWEEP = list(itertools.product((8, 16, 32), (4, 8, 16)))
@@ -61,17 +64,26 @@ def _runners() -> dict:
             "fused_pdl": _resident(_fused(True), False),
             "resident_pdl": _resident(_fused(True), True),
             # the same launches without PDL: what the weight loads before the wait buy
-            "resident": _resident(_fused(False), True)}
+            "resident": _resident(_fused(False), True),
+            # the weights staged in shared memory (small_m_staged), with PDL
+            "staged_pdl": _resident(chain_bench._forcing(small_m_staged, "ENABLED", True,
+                                                         _fused(True)), True)}
 
 
-def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
-    """The chain per runner at each row count, then the sweep at ``sweep_rows``:
-    ``{"chain", "sweep", ...}``."""
+def run(rows: list[int], layers: int, sweep_rows: list[int],
+        sweep_runner: str = "resident_pdl") -> dict:
+    """The chain per runner at each row count, then the sweep at ``sweep_rows`` of
+    ``sweep_runner``'s launch tables (``resident_pdl``: small_m_resident's, ``staged_pdl``:
+    small_m_staged's): ``{"chain", "sweep", ...}``."""
+    module = small_m_staged if sweep_runner == "staged_pdl" else small_m_resident
     ws = chain_bench._weights(layers, 1, "cuda", torch.bfloat16)
     mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
     out = {"chain": [], "sweep": [], "weight_mb": mb, "layers": layers,
            "launch_default": dict(small_m_resident.LAUNCH),
-           "launch_over_16_default": dict(small_m_resident.LAUNCH_OVER_16)}
+           "launch_over_16_default": dict(small_m_resident.LAUNCH_OVER_16),
+           "staged_launch_default": dict(small_m_staged.LAUNCH),
+           "staged_launch_over_16_default": dict(small_m_staged.LAUNCH_OVER_16),
+           "sweep_runner": sweep_runner}
     runners = _runners()
     for m in rows:
         h = torch.randn(m, chain_bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -81,7 +93,7 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
             got[label] = fn(h, attn, ws).float()           # compiles, and the numbers
             us = chain_bench._graph_us(fn, (h, attn, ws), False)
             row = {"M": m, "runner": label, "us_per_step": us}
-            if label == "resident_pdl":
+            if label in ("resident_pdl", "staged_pdl"):
                 row["max_abs_diff_vs_fused"] = (got[label] - got["fused_pdl"]).abs().max().item()
                 row["max_abs_fused"] = got["fused_pdl"].abs().max().item()
             out["chain"].append(row)
@@ -91,17 +103,17 @@ def run(rows: list[int], layers: int, sweep_rows: list[int]) -> dict:
         if m not in sweep_rows:
             continue
         base = next(r["us_per_step"] for r in out["chain"][-len(runners):]
-                    if r["runner"] == "resident_pdl")
+                    if r["runner"] == sweep_runner)
         # NOTE: the table ``launch`` reads at m rows.
-        table = small_m_resident.LAUNCH if m <= 16 else small_m_resident.LAUNCH_OVER_16
+        table = module.LAUNCH if m <= 16 else module.LAUNCH_OVER_16
         for kind in KINDS:
             for block_n, warps, block_m in [(*bw, bm) for bw in SWEEP
                                             for bm in (SWEEP_BLOCK_M if m > 16 else (16,))]:
                 saved = table[kind]
                 table[kind] = (block_n, warps, block_m)
                 try:
-                    runners["resident_pdl"](h, attn, ws)
-                    us = chain_bench._graph_us(runners["resident_pdl"], (h, attn, ws), False)
+                    runners[sweep_runner](h, attn, ws)
+                    us = chain_bench._graph_us(runners[sweep_runner], (h, attn, ws), False)
                 except Exception as e:  # noqa: BLE001  (a launch that does not fit: recorded)
                     us = None
                     print(f"  {kind} {block_n}x{warps}x{block_m}: {type(e).__name__}: {str(e)[:80]}")
@@ -121,13 +133,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", default="4,8,16,24,32,48,64")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--sweep", default="", help="rows to sweep LAUNCH per op kind at, e.g. 32")
+    ap.add_argument("--sweep-runner", default="resident_pdl",
+                    choices=("resident_pdl", "staged_pdl"), help="whose launch table to sweep")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_resident_chain needs a CUDA GPU (Gluon has no interpreter)")
     result = {"benchmark": "resident_chain", **environment(),
               **run([int(r) for r in args.rows.split(",")], args.layers,
-                     [int(r) for r in args.sweep.split(",") if r])}
+                     [int(r) for r in args.sweep.split(",") if r], args.sweep_runner)}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -197,23 +197,25 @@ def fits_beside(a: dict, b: dict) -> bool:
             and a["num_warps"] + b["num_warps"] <= WARPS_PER_SM)
 
 
-def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path) -> list[dict]:
+def resident_rows(rows_list: list[int], ptx_dir: pathlib.Path, module=None) -> list[dict]:
     """small_m_resident's four GEMMs at each row count (the package's launches), and whether
     one program of each fits on an SM BESIDE one of the kernel before it (the previous op of
     the layer; o_proj's is attention's, left out). PDL lets kernel i+1's programs start their
     weight loads while kernel i drains only where they fit beside it."""
     from mrv2.kernels import small_m_resident
+    module = module or small_m_resident          # or small_m_staged: the same contract
+    name = module.__name__.rsplit(".", 1)[-1]
     ptx_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for m in rows_list:
         layer = []
         for op, (kind, n, k) in RESIDENT_OPS.items():
-            kernel, block_n, warps = small_m_resident.sm90_kernel(m, n, k, kind)
-            regs, spill = _ptxas(kernel, ptx_dir / f"resident_{op}_M{m}")
+            kernel, block_n, warps = module.sm90_kernel(m, n, k, kind)
+            regs, spill = _ptxas(kernel, ptx_dir / f"{name}_{op}_M{m}")
             smem = kernel.metadata.shared
-            row = {"launch": f"small_m_resident {op} M{m}", "op": op, "rows": m,
+            row = {"launch": f"{name} {op} M{m}", "op": op, "rows": m,
                    "config": {"block_n": block_n, "num_warps": warps,
-                              "block_m": small_m_resident.launch(kind, k, m)[2]},
+                              "block_m": module.launch(kind, k, m)[2]},
                    "grid_programs": -(-n // block_n), "num_warps": warps, "registers": regs,
                    "spill_bytes": spill, "shared_bytes": smem,
                    "regs_per_program": regs_per_program(regs, warps),
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--resident-rows", default="",
                     help="also small_m_resident's four GEMMs at these rows (e.g. 16,32), "
                          "and whether each fits beside the kernel before it")
+    ap.add_argument("--staged-rows", default="",
+                    help="the same for small_m_staged (weights staged in shared memory)")
     ap.add_argument("--out", default=None, help="JSON of the rows")
     ap.add_argument("--ptx-dir", default="/tmp/occupancy_sm90")
     args = ap.parse_args(argv)
@@ -298,8 +302,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{label:36s} {json.dumps(short):78s} {programs:5d} progs {warps:2d} warps "
               f"{regs:3d} regs {spill:4d} B spill {smem // 1024:3d} KB smem -> "
               f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['waves']} wave(s)")
-    if args.resident_rows:
-        for r in resident_rows([int(m) for m in args.resident_rows.split(",")], ptx_dir):
+    from mrv2.kernels import small_m_resident, small_m_staged
+    gemm_rows = [(small_m_resident, args.resident_rows), (small_m_staged, args.staged_rows)]
+    for module, r_rows in gemm_rows:
+        if not r_rows:
+            continue
+        for r in resident_rows([int(m) for m in r_rows.split(",")], ptx_dir, module):
             rows.append(r)
             print(f"{r['launch']:36s} {json.dumps(r['config']):40s} {r['grid_programs']:5d} "
                   f"progs {r['num_warps']:2d} warps {r['registers']:3d} regs "

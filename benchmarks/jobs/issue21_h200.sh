@@ -75,11 +75,16 @@
 #      (8, 8): TPOT at batch 4 / 8 / 16, fresh processes (~3.5 min). U3=noprefetch="--set
 #      $DA:PREFETCH=false" swaps the third variant for attention without its prefetch (qkv
 #      takes every register of its SMs now, so attention's programs rarely start early)
+#   V  (session 24) small_m_staged (the weights copied into shared memory before the wait,
+#      half an SM's registers a program at most, so the next kernel's programs fit beside):
+#      its GPU tests, the chain with all runners at 4-32 rows and a sweep of its launches at
+#      SWEEP_ROWS (default 16), then, only if the tests passed, TPOT main / staged over fresh
+#      processes at BATCHES (default 4,8,16,32), ~7 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-U}
+part=${1:?part A-V}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -246,6 +251,17 @@ U)
      --variant default= --variant add32x8="$A32" --variant "${U3:-add16x8=$A16}" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16}
   ;;
+V)
+  py -m pytest -q tests/test_small_m_staged.py; tests_rc=$?
+  MRV2_STAGED_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  py scripts/bench_resident_chain.py --rows ${ROWS:-4,8,16,24,32} --sweep "${SWEEP_ROWS-16}" \
+     --sweep-runner staged_pdl --out "$OUT/staged_chain.json"
+  if [ "$tests_rc" = 0 ]; then
+    py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_staged_processes.json" \
+       --variant default= --variant staged="--set mrv2.kernels.small_m_staged:ENABLED=true" \
+       -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16,32}
+  fi
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -255,5 +271,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-U)"; exit 2 ;;
+*) echo "unknown part $part (A-V)"; exit 2 ;;
 esac

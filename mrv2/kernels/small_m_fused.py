@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mrv2.kernels import pdl, skinny_fused, small_m_resident
+from mrv2.kernels import pdl, skinny_fused, small_m_resident, small_m_staged
 from mrv2.kernels.fused_epilogue import _round_product_body, _store_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
@@ -277,8 +277,10 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     if M == 0 or N == 0:
         return out
     if small_m_resident.ENABLED and config is None and small_m_resident.fits(x, weight, K):
-        return small_m_resident.run(x, norm_weight, eps, weight, bias, residual, out, N,
-                                    gate_up=gate_up)
+        # the weights staged in shared memory instead of registers (MRV2_STAGED_GEMM=1)
+        resident = small_m_staged if small_m_staged.ENABLED else small_m_resident
+        return resident.run(x, norm_weight, eps, weight, bias, residual, out, N,
+                            gate_up=gate_up)
     cfg = (_small_m_launch(M, N, K, x.element_size()) if M <= _SMALL_M_MAX
            else dict(LARGE_M_LAUNCH))
     if gate_up:  # NOTE: two weight tiles in flight per stage: one stage less

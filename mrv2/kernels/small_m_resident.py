@@ -404,11 +404,6 @@ def sm90_kernel(M: int, N: int, K: int, kind: str):
         ``(kernel, block_n, num_warps)``: Triton's compiled kernel (``kernel.asm["ptx"]``,
         ``kernel.metadata.shared``) and the launch it was compiled for.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
     bf = torch.bfloat16
     gate_up = kind == "gate_up"
     x = torch.empty(M, K, dtype=bf)
@@ -419,22 +414,29 @@ def sm90_kernel(M: int, N: int, K: int, kind: str):
     args = (x, torch.empty(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
     kwargs = {"NORM": kind != "add", "GATE_UP": gate_up, "ADD_RESIDUAL": kind == "add",
               "HAS_BIAS": False, "BLOCK_N": block_n, "KCH": kch, "NCH": nch, "BLOCK_M": block_m,
-              "PDL": True,
-              "num_warps": warps, "launch_pdl": True, "debug": False,
-              "instrumentation_mode": ""}
-    # NOTE: what JITFunction.run does before compiling (the binder's specialisation and
-    # constexprs), minus the launch: Triton internals, checked by the CPU tests.
+              "PDL": True, "num_warps": warps}
+    return compile_sm90(_resident_kernel, args, kwargs), block_n, warps
+
+
+def compile_sm90(fn, args: tuple, kwargs: dict):
+    """Triton's compiled kernel of Gluon kernel ``fn`` for sm_90 (``launch_pdl`` on), on any
+    machine: what ``JITFunction.run`` does before a launch (the binder's specialisation and
+    constexprs), minus the launch. NOTE: Triton internals, checked by the CPU tests."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    kwargs = {**kwargs, "launch_pdl": True, "debug": False, "instrumentation_mode": ""}
     target = GPUTarget("cuda", 90, 32)
-    fn = _resident_kernel
     with warnings.catch_warnings(), compiled_language():   # Triton 3.9's FP-fusion notice
         warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")
         backend = make_backend(target)
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, spec, opts = binder(*args, **kwargs)
         options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-        kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
-                                options=options.__dict__)
-    return kernel, block_n, warps
+        return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=target,
+                              options=options.__dict__)
 
 
 def sm90_ptx(M: int, N: int, K: int, kind: str) -> tuple[str, int, int]:

@@ -1,0 +1,307 @@
+"""``small_m_resident`` with each program's weights staged in SHARED memory, not registers.
+
+``small_m_resident`` loads a program's weights into the MMA's operand registers before the
+PDL wait, so kernel i+1's weight stream can overlap kernel i's tail. ptxas gives qkv and
+gate_up every register of their SM (``scripts/occupancy_sm90.py --resident-rows``): no
+program of the next kernel fits BESIDE one of them, so its early loads start only on the SMs
+a kernel leaves free, or as its programs end (chapter 10, session 23).
+
+Here the weights go to shared memory with ``cp.async`` (Ampere's asynchronous copy: no
+register holds them in flight) before the wait. What a program keeps in registers is then
+only its rows' activations, the accumulators and one chunk's weights at a time, read back
+from shared memory after the wait. The hope: programs small enough that kernel i+1's sit
+beside kernel i's on one SM, and its whole weight slice arrives while kernel i computes.
+
+Same arguments, operations and roundings as ``small_m_resident``; a warp multiplies its
+K-slice ``PIECE`` keys at a time and sums the mean square piece by piece, so the two agree
+within fp32 rounding, not bit for bit. bf16 / fp16, CUDA only
+(Gluon has no interpreter): the CPU tests compile it for sm_90 and check the PTX (every
+``cp.async`` before the wait); the GPU tests check the numbers. OFF unless
+``MRV2_STAGED_GEMM=1``: not yet measured in the model.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from mrv2.kernels import pdl, small_m_resident
+from mrv2.kernels.small_m_resident import (
+    RED_INTERVAL,
+    RED_PAD,
+    _barrier,
+    _dims3,
+    _gdc_wait,
+    _normed,
+    _sum,
+    chunks,
+)
+from mrv2.platform import TRITON_INTERPRET, env_switch
+
+#: Route ``small_m_resident``'s calls here (``MRV2_STAGED_GEMM=1``). Never under the interpreter.
+ENABLED: bool = env_switch("MRV2_STAGED_GEMM", False) and not TRITON_INTERPRET
+
+
+# Global -> shared cp.async (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load).
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+def swizzle(ks: int) -> tuple[int, int]:
+    """``(per_phase, max_phase)`` of the weight buffer's swizzle for rows of ``ks`` bf16 keys:
+    16-byte vectors XOR-ed within a row (rows of 128 bytes or more: 8 phases; shorter rows
+    share a phase, ``per_phase`` of them a 128-byte line), so the 8 lanes of an MMA operand
+    that read one key range of 8 different columns hit 8 different bank groups."""
+    row_bytes = ks * 2
+    return max(1, 128 // row_bytes), max(1, min(8, row_bytes // 16))
+
+
+@gluon.jit
+def _copy_chunk(smem, w_ptr, n0, row0, N, stride_wn, col0, S: gl.constexpr,
+                BLOCK_N: gl.constexpr, KS: gl.constexpr, CL: gl.constexpr):
+    # W[n, col0 + s * KS + k] -> smem[s, n, k] for this program's columns: cp.async, 16 B a
+    # thread and copy, no register holds the data.
+    s = gl.arange(0, S, layout=gl.SliceLayout(1, gl.SliceLayout(2, CL)))
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL)))
+    k = gl.arange(0, KS, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL)))
+    s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)                            # [S, 1, 1]
+    n3 = gl.expand_dims(gl.expand_dims(n, 0), 2)                            # [1, BN, 1]
+    k3 = gl.expand_dims(gl.expand_dims(k, 0), 1)                            # [1, 1, KS]
+    rows = row0 + (n0 + n3) % N                                             # [1, BN, 1]
+    ptrs = w_ptr + rows.to(gl.int64) * stride_wn + col0 + s3 * KS + k3      # [S, BN, KS]
+    _async_load(smem, ptrs)
+
+
+@gluon.jit
+def _mma_chunk(acc, acc_up, wbuf, ubuf, x_ptrs, nw_ptrs, row_ok, rstd3, c: gl.constexpr,
+               KCH: gl.constexpr, KS: gl.constexpr, P: gl.constexpr, NORM: gl.constexpr,
+               GATE_UP: gl.constexpr, WL: gl.constexpr):
+    # Chunk c's products, P keys a warp at a time: x's piece (normed), W^T's piece
+    # [S, P, BN] read from the chunk's [S, BN, KS] buffer in the B-operand layout.
+    for j in gl.static_range(KS // P):
+        xp = gl.load(x_ptrs + c * KCH + j * P, mask=row_ok, other=0.0)    # [S, BM, P]
+        x = _normed(xp, nw_ptrs + j * P, rstd3, c, KCH, NORM)
+        acc = mma_v2(x, wbuf.slice(j * P, P, dim=2).permute([0, 2, 1]).load(WL), acc)
+        if GATE_UP:
+            acc_up = mma_v2(x, ubuf.slice(j * P, P, dim=2).permute([0, 2, 1]).load(WL),
+                            acc_up)
+    return acc, acc_up
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _staged_kernel(
+    x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
+    out_ptr,                                            # output [M, N] (may BE residual)
+    M, N, K, eps,
+    stride_xm, stride_wn, stride_rm, stride_om,         # strides (last dims contiguous)
+    NORM: gl.constexpr, GATE_UP: gl.constexpr, ADD_RESIDUAL: gl.constexpr,
+    HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, KCH: gl.constexpr, NCH: gl.constexpr,
+    BLOCK_M: gl.constexpr, PDL: gl.constexpr, PER_PHASE: gl.constexpr,
+    MAX_PHASE: gl.constexpr, P: gl.constexpr,
+):
+    S: gl.constexpr = gl.num_warps()
+    KS: gl.constexpr = KCH // S                 # a warp's K-slice of a chunk, read P at a time
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[S, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    XL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    WL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+    RED: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[RED_INTERVAL, RED_PAD]],
+                                                                 [S, BLOCK_M, BLOCK_N], [2, 1, 0])
+    TN: gl.constexpr = min(32, BLOCK_N)
+    RL: gl.constexpr = gl.BlockedLayout([S, 1, 1], [1, 32 // TN, TN], [1, S, 1], [2, 1, 0])
+    OL: gl.constexpr = gl.SliceLayout(0, RL)                                # [BM, BN]
+    # The copy: warp s copies its K-slice [BN, KS], 8 keys (16 B) a lane.
+    TK: gl.constexpr = min(32, KS // 8)
+    CL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TK, TK], [S, 1, 1], [2, 1, 0])
+    # The weights, one [S, BN, KS] buffer a chunk (warp s's K-slice at s), K innermost,
+    # swizzled. NOTE: not one [NCH * S, ...] buffer: shapes must be powers of two (NCH = 3).
+    WS: gl.constexpr = gl.SwizzledSharedLayout(8, PER_PHASE, MAX_PHASE, [2, 1, 0])
+    DT_W: gl.constexpr = w_ptr.dtype.element_ty
+    w0 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NCH > 1:
+        w1 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+    if NCH > 2:
+        w2 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+    if NCH > 3:
+        w3 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+    u0 = w0
+    u1 = w0
+    u2 = w0
+    u3 = w0
+    if GATE_UP:
+        u0 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+        if NCH > 1:
+            u1 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+        if NCH > 2:
+            u2 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+        if NCH > 3:
+            u3 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+    red = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
+    red_up = red
+    if GATE_UP:
+        red_up = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
+    pid = gl.program_id(0)
+
+    # 1. This program's weights into shared memory, all of K, before the wait.
+    n0 = pid * BLOCK_N
+    # NOTE: the last column block wraps onto real rows of W (n % N), as in small_m_resident.
+    _copy_chunk(w0, w_ptr, n0, 0, N, stride_wn, 0, S, BLOCK_N, KS, CL)
+    if NCH > 1:
+        _copy_chunk(w1, w_ptr, n0, 0, N, stride_wn, KCH, S, BLOCK_N, KS, CL)
+    if NCH > 2:
+        _copy_chunk(w2, w_ptr, n0, 0, N, stride_wn, 2 * KCH, S, BLOCK_N, KS, CL)
+    if NCH > 3:
+        _copy_chunk(w3, w_ptr, n0, 0, N, stride_wn, 3 * KCH, S, BLOCK_N, KS, CL)
+    if GATE_UP:                                                             # the up rows
+        _copy_chunk(u0, w_ptr, n0, N, N, stride_wn, 0, S, BLOCK_N, KS, CL)
+        if NCH > 1:
+            _copy_chunk(u1, w_ptr, n0, N, N, stride_wn, KCH, S, BLOCK_N, KS, CL)
+        if NCH > 2:
+            _copy_chunk(u2, w_ptr, n0, N, N, stride_wn, 2 * KCH, S, BLOCK_N, KS, CL)
+        if NCH > 3:
+            _copy_chunk(u3, w_ptr, n0, N, N, stride_wn, 3 * KCH, S, BLOCK_N, KS, CL)
+    async_copy.commit_group()
+    # 2. Only now wait for the kernel that wrote x (and the residual).
+    if PDL:
+        _gdc_wait()
+
+    xs, xm, xk = _dims3(XL, S, BLOCK_M, P)
+    x_k = xs * KS + xk                                                      # [S, 1, P]
+    nw_ptrs = norm_w_ptr + x_k
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
+    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
+    n_ok = on < N
+    bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
+    bias_up = bias
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + on, mask=n_ok, other=0.0).to(gl.float32)
+        if GATE_UP:
+            bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
+    async_copy.wait_group(0)
+    _barrier()                           # every lane's copies visible to every warp
+
+    # 3. BLOCK_M rows at a time. NOTE: x is read in pieces of P keys a warp (from L2, twice
+    # where there is a norm: once for the mean square, once for the product), so that no
+    # thread holds more than a piece of x and of W at a time: registers, not bytes, decide
+    # whether the next kernel's programs fit beside this one's.
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + xm                                                      # [1, BM, 1]
+        row_ok = rows < M
+        x_ptrs = x_ptr + rows.to(gl.int64) * stride_xm + x_k                # [S, BM, P]
+        rstd3 = gl.full([1, BLOCK_M, 1], 1.0, gl.float32, layout=XL)
+        if NORM:  # each row's inverse RMS over ALL of K: every chunk, every warp's slice
+            ss = gl.zeros([S, BLOCK_M], gl.float32, layout=gl.SliceLayout(2, XL))
+            for j in gl.static_range(NCH * KS // P):
+                xp = gl.load(x_ptrs + (j // (KS // P)) * KCH + (j % (KS // P)) * P,
+                             mask=row_ok, other=0.0).to(gl.float32)
+                ss += _sum(xp * xp, 2)                                      # [S, BM]
+            rstd = gl.rsqrt(_sum(ss, 0) / K + eps)                          # [BM]
+            rstd3 = gl.expand_dims(gl.expand_dims(rstd, 0), 2)              # [1, BM, 1]
+        acc = gl.zeros([S, BLOCK_M, BLOCK_N], gl.float32, layout=MMA)      # [S, BM, BN]
+        acc_up = acc
+        acc, acc_up = _mma_chunk(acc, acc_up, w0, u0, x_ptrs, nw_ptrs, row_ok, rstd3, 0, KCH,
+                                 KS, P, NORM, GATE_UP, WL)
+        if NCH > 1:
+            acc, acc_up = _mma_chunk(acc, acc_up, w1, u1, x_ptrs, nw_ptrs, row_ok, rstd3, 1,
+                                     KCH, KS, P, NORM, GATE_UP, WL)
+        if NCH > 2:
+            acc, acc_up = _mma_chunk(acc, acc_up, w2, u2, x_ptrs, nw_ptrs, row_ok, rstd3, 2,
+                                     KCH, KS, P, NORM, GATE_UP, WL)
+        if NCH > 3:
+            acc, acc_up = _mma_chunk(acc, acc_up, w3, u3, x_ptrs, nw_ptrs, row_ok, rstd3, 3,
+                                     KCH, KS, P, NORM, GATE_UP, WL)
+        _barrier()
+        red.store(acc)
+        if GATE_UP:
+            red_up.store(acc_up)
+        _barrier()
+        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [BM, BN]
+        DT: gl.constexpr = out_ptr.dtype.element_ty
+        y = y.to(DT).to(gl.float32)
+        if GATE_UP:
+            g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
+            silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
+            y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
+        o_rows = gl.expand_dims(m0 + om, 1)                                 # [BM, 1]
+        mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
+        cols = gl.expand_dims(on, 0)
+        if ADD_RESIDUAL:
+            r = gl.load(residual_ptr + o_rows * stride_rm + cols, mask=mask, other=0.0)
+            y = y + r.to(gl.float32)
+        gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
+
+
+#: Launch per op kind, as ``small_m_resident.LAUNCH`` (BLOCK_N, warps, BLOCK_M), up to 16 rows
+#: and from 17: smaller column blocks than the resident kernel's where its weight slice would
+#: take more than ~half an SM's shared memory (two programs must fit on one SM).
+#: Keys of a warp's K-slice multiplied at a time (>= small_m_resident.MIN_SLICE).
+PIECE = 32
+#: Compiled for sm_90 (Triton 3.6's ptxas, ``scripts/occupancy_sm90.py --staged-rows``) these
+#: take at most half an SM's registers and ~87 KB of shared memory: qkv (32, 8) 128 registers
+#: a thread, 87 KB; o_proj / down (8, 8) 64, 38 / 54 KB; gate_up (16, 8) 128, 87 KB. NOTE:
+#: ptxas gives ~90 registers a thread at 16 warps whatever the tile: fewer warps, not smaller
+#: tiles, bring a program under half an SM.
+LAUNCH = {"norm": (32, 8, 16), "add": (8, 8, 16), "gate_up": (16, 8, 16)}
+LAUNCH_OVER_16 = dict(LAUNCH)
+
+
+def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, BLOCK_M)`` for an op kind at K and M rows (``LAUNCH`` / over 16
+    rows ``LAUNCH_OVER_16``), fewer warps where a warp's K-slice would be under 32 keys."""
+    block_n, warps, block_m = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
+    kch, _ = chunks(K) or (small_m_resident.MAX_KCH, 1)
+    while warps > 1 and kch // warps < small_m_resident.MIN_SLICE:
+        warps //= 2
+    return block_n, warps, block_m
+
+
+def _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up, cfg):
+    M, K = x.shape
+    kch, nch = chunks(K)
+    r = residual if residual is not None else out
+    per_phase, max_phase = swizzle(kch // cfg["num_warps"])
+    args = (x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else weight, r, out,
+            M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0))
+    kwargs = {"NORM": norm_weight is not None, "GATE_UP": gate_up,
+              "ADD_RESIDUAL": residual is not None, "HAS_BIAS": bias is not None,
+              "BLOCK_N": cfg["block_n"], "KCH": kch, "NCH": nch, "BLOCK_M": cfg["block_m"],
+              "PER_PHASE": per_phase, "MAX_PHASE": max_phase,
+              "P": min(PIECE, kch // cfg["num_warps"]), "num_warps": cfg["num_warps"]}
+    return args, kwargs
+
+
+def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
+        config: dict | None = None):
+    """One fused GEMM (``small_m_resident.run``'s arguments and result)."""
+    M, K = x.shape
+    kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
+    block_n, warps, block_m = launch(kind, K, M)
+    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
+    use_pdl = pdl.use_pdl(x.device)
+    args, kwargs = _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up,
+                                cfg)
+    _staged_kernel[(triton.cdiv(N, cfg["block_n"]),)](
+        *args, PDL=use_pdl, **kwargs, **pdl.launch_kwargs(use_pdl))
+    return out
+
+
+def sm90_kernel(M: int, N: int, K: int, kind: str):
+    """``(kernel, block_n, num_warps)``: one launch compiled for sm_90 (bf16, PDL), no GPU
+    needed (``small_m_resident.sm90_kernel``'s contract)."""
+    import torch
+    bf = torch.bfloat16
+    gate_up = kind == "gate_up"
+    x = torch.empty(M, K, dtype=bf)
+    w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
+    out = torch.empty(M, N, dtype=bf)
+    block_n, warps, block_m = launch(kind, K, M)
+    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m}
+    args, kwargs = _kernel_args(x, torch.empty(K, dtype=bf) if kind != "add" else None, 1e-6,
+                                w, None, out if kind == "add" else None, out, N, gate_up, cfg)
+    kwargs["PDL"] = True
+    return small_m_resident.compile_sm90(_staged_kernel, args, kwargs), block_n, warps

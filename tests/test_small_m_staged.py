@@ -1,0 +1,186 @@
+"""The fused decode GEMMs with their weights staged in shared memory (Gluon) against the
+references.
+
+On the CPU the kernel is compiled for sm_90 (PTX, no GPU) and the PTX is checked for what it
+exists for: every weight byte of a program goes to shared memory by ``cp.async`` (16 bytes a
+copy) before ``griddepcontrol.wait``, the copies are awaited only after it, and the products
+are ``mma.sync``. The numbers are checked on the GPU against ``skinny_fused``'s references
+and ``small_m_resident``'s kernel, at the Qwen3-0.6B shapes, ragged ones, and in a CUDA graph.
+"""
+
+import re
+
+import pytest
+import torch
+from device_utils import qwen3_layer_weights
+
+import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
+from mrv2.kernels import small_m_resident, small_m_staged
+from mrv2.kernels.skinny_fused import (
+    skinny_linear_add_ref,
+    skinny_norm_gate_up_silu_ref,
+    skinny_norm_linear_ref,
+)
+from mrv2.kernels.small_m_fused import (
+    small_m_linear_add,
+    small_m_norm_gate_up_silu,
+    small_m_norm_linear,
+)
+from mrv2.platform import HAS_CUDA
+
+
+def test_swizzle_spans_128_bytes_within_a_row():
+    # 16-byte vectors: a row of 32 keys (64 B) holds 4, two rows share a 128-byte line.
+    assert small_m_staged.swizzle(32) == (2, 4)
+    assert small_m_staged.swizzle(64) == (1, 8)
+    assert small_m_staged.swizzle(256) == (1, 8)
+    assert small_m_staged.swizzle(8) == (8, 1)
+
+
+def test_off_unless_asked_and_the_launches_keep_a_piece_of_32_keys():
+    assert small_m_staged.ENABLED is False            # MRV2_STAGED_GEMM unset in the tests
+    assert small_m_staged.launch("norm", 1024) == small_m_staged.LAUNCH["norm"]
+    assert small_m_staged.launch("add", 64)[1] == 2   # 64 keys: 2 warps of 32
+    assert small_m_staged.PIECE >= small_m_resident.MIN_SLICE
+
+
+@pytest.mark.parametrize("N,K,kind", [
+    (4096, 1024, "norm"),        # input norm + qkv
+    (1024, 2048, "add"),         # o_proj + residual add
+    (3072, 1024, "gate_up"),     # post-attention norm + gate_up + SiLU * up
+    (1024, 3072, "add"),         # down + residual add (three K chunks)
+])
+def test_sm90_ptx_copies_every_weight_to_shared_memory_before_the_wait(N, K, kind):
+    kernel, block_n, warps = small_m_staged.sm90_kernel(16, N, K, kind)
+    ptx = kernel.asm["ptx"]
+    gate_up = kind == "gate_up"
+    assert ptx.count("griddepcontrol.wait") == 1
+    before, after = ptx.split("griddepcontrol.wait")
+    # A thread's share of the program's weights, 8 bf16 (16 bytes) a copy.
+    weights = block_n * K * (2 if gate_up else 1) // (32 * warps)
+    copies = re.findall(r"cp\.async\.c[ga]\.shared\.global(?:\.[a-z0-9_]+)*\s+\[[^\]]+\],"
+                        r"\s*\[[^\]]+\],\s*(0x10|16)", before)
+    assert len(copies) == weights // 8
+    assert "cp.async" not in after.split("cp.async.wait_group")[0].replace(
+        "cp.async.commit_group", "")                  # no copy issued after the wait
+    assert "cp.async.wait_group" in after and "cp.async.wait_group" not in before
+    # The products: m16n8k16 per 16 keys of a warp's slice, per 8 columns (x 2 for gate_up).
+    mmas = (K // warps // 16) * (block_n // 8) * (2 if gate_up else 1)
+    assert after.count("mma.sync.aligned.m16n8k16") == mmas
+    assert "mma.sync" not in before
+    # The weights live in shared memory: the slice itself, at least.
+    assert kernel.metadata.shared >= block_n * K * 2 * (2 if gate_up else 1)
+
+
+# --- the GPU ------------------------------------------------------------------------------
+
+def _staged_on(monkeypatch):
+    monkeypatch.setattr(small_m_resident, "ENABLED", True)
+    monkeypatch.setattr(small_m_staged, "ENABLED", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
+@pytest.mark.parametrize("M", [3, 4, 16, 17, 32, 33, 64])
+def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
+    """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
+    small_m_resident (the same roundings, sums over K in pieces)."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, 1024, generator=g, **kw)
+    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
+    attn = torch.randn(M, 2048, generator=g, **kw)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    outs = {}
+    monkeypatch.setattr(small_m_resident, "ENABLED", True)
+    for staged in (False, True):
+        monkeypatch.setattr(small_m_staged, "ENABLED", staged)
+        q = small_m_norm_linear(x, nw, 1e-6, qkv)
+        act = small_m_norm_gate_up_silu(x, nw, 1e-6, gate_up)
+        r1 = small_m_linear_add(attn, o, x.clone())
+        r2 = small_m_linear_add(act, down, x.clone())
+        outs[staged] = (q, act, r1, r2)
+    q, act, r1, r2 = outs[True]
+    torch.testing.assert_close(q, skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
+    torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
+    torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
+    torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
+    for a, b in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
+@pytest.mark.parametrize("M,N,K,bias", [
+    (5, 40, 96, True), (3, 1000, 512, False), (20, 24, 1536, True), (64, 8, 64, True),
+    (33, 40, 4096, False)])
+def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatch):
+    """N not a multiple of the column block (wrapped copies, masked stores), K of 3 and 4
+    chunks, bias, rows past one block; the add into a row-strided view of a wider buffer."""
+    _staged_on(monkeypatch)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g, **kw)
+    nw = 1 + 0.1 * torch.randn(K, generator=g, **kw)
+    w = torch.randn(N, K, generator=g, **kw) / K ** 0.5
+    w2 = torch.randn(2 * N, K, generator=g, **kw) / K ** 0.5
+    b = torch.randn(N, generator=g, **kw) if bias else None
+    b2 = torch.randn(2 * N, generator=g, **kw) if bias else None
+    assert small_m_resident.fits(x, w, K)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, w, b),
+                               skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
+    torch.testing.assert_close(small_m_norm_gate_up_silu(x, nw, 1e-6, w2, b2),
+                               skinny_norm_gate_up_silu_ref(x, nw, 1e-6, w2, b2), **tol)
+    wide = torch.randn(M, N + 16, generator=g, **kw)
+    view = wide[:, 8:8 + N]
+    ref = skinny_linear_add_ref(x, w, view.clone(), b)
+    left, right = wide[:, :8].clone(), wide[:, 8 + N:].clone()
+    assert small_m_linear_add(x, w, view, b) is view
+    torch.testing.assert_close(view, ref, **tol)
+    assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need the GPU")
+@pytest.mark.parametrize("M", [4, 32])
+def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
+    """Two layers at the Qwen3-0.6B shapes, bf16, PDL on: the graph's replay bitwise the
+    eager chain (a program's copies awaited before any warp reads them), and as close to
+    the fp32 chain as small_m_resident's."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [qwen3_layer_weights(g, **kw) for _ in range(2)]
+    h0 = torch.randn(M, 1024, generator=g, **kw)
+
+    def chain(h):
+        for nw, qkv, o, gate_up, down in ws:
+            q = small_m_norm_linear(h, nw, 1e-6, qkv)
+            small_m_linear_add(q[:, :2048].contiguous(), o, h)
+            small_m_linear_add(small_m_norm_gate_up_silu(h, nw, 1e-6, gate_up), down, h)
+        return h
+
+    monkeypatch.setattr(small_m_resident, "ENABLED", True)
+    resident = chain(h0.clone())
+    _staged_on(monkeypatch)
+    eager = chain(h0.clone())
+    h = h0.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(h)
+    for _ in range(3):                                 # replays back to back: PDL overlaps
+        h.copy_(h0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, eager)
+    ref = h0.float()
+    for nw, qkv, o, gate_up, down in ws:
+        nw, qkv, o, gate_up, down = (t.float() for t in (nw, qkv, o, gate_up, down))
+        q = skinny_norm_linear_ref(ref, nw, 1e-6, qkv)
+        ref = skinny_linear_add_ref(q[:, :2048].contiguous(), o, ref)
+        ref = skinny_linear_add_ref(skinny_norm_gate_up_silu_ref(ref, nw, 1e-6, gate_up), down, ref)
+
+    def rms(a):
+        return (a.float() - ref).pow(2).mean().sqrt().item()
+    assert rms(eager) <= 1.25 * rms(resident) + 1e-3, (rms(eager), rms(resident))
