@@ -11,7 +11,8 @@ attention left out) at the rows given, three runners in one process:
   weights loaded into the MMA's registers before the wait), with ``max_abs_diff_vs_fused``;
 * ``resident``: the same without PDL (each kernel starts when the one before has ended);
 * ``staged_pdl``: the same entry points routed to ``small_m_staged`` (each program's weights
-  copied into shared memory before the wait), with ``max_abs_diff_vs_fused``.
+  copied into shared memory before the wait, up to its MAX_M rows), with
+  ``max_abs_diff_vs_fused``; ``staged``: the same without PDL.
 
 ``--sweep 16,32`` then walks (at those rows; ``--sweep-runner staged_pdl``: small_m_staged's
 tables) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
@@ -67,7 +68,10 @@ def _runners() -> dict:
             "resident": _resident(_fused(False), True),
             # the weights staged in shared memory (small_m_staged), with PDL
             "staged_pdl": _resident(chain_bench._forcing(small_m_staged, "ENABLED", True,
-                                                         _fused(True)), True)}
+                                                         _fused(True)), True),
+            # ... and without PDL: what the copies before the wait buy
+            "staged": _resident(chain_bench._forcing(small_m_staged, "ENABLED", True,
+                                                     _fused(False)), True)}
 
 
 def run(rows: list[int], layers: int, sweep_rows: list[int],

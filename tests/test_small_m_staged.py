@@ -37,6 +37,15 @@ def test_swizzle_spans_128_bytes_within_a_row():
     assert small_m_staged.swizzle(8) == (8, 1)
 
 
+def test_fits_only_slices_that_leave_room_on_the_sm():
+    x = torch.empty(16, 1024, dtype=torch.bfloat16)
+    assert small_m_staged.fits(x, 1024, "gate_up") and small_m_staged.fits(x, 3072, "add")
+    assert not small_m_staged.fits(x, 4096, "norm")                  # 32 x 4096 x 2 B: 256 KB
+    assert not small_m_staged.fits(torch.empty(17, 1024, dtype=torch.bfloat16), 1024, "norm")
+    assert small_m_staged.kind_of(True, None) == "gate_up"
+    assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
+
+
 def test_off_unless_asked_and_the_launches_keep_a_piece_of_32_keys():
     assert small_m_staged.ENABLED is False            # MRV2_STAGED_GEMM unset in the tests
     assert small_m_staged.launch("norm", 1024) == small_m_staged.LAUNCH["norm"]
@@ -105,15 +114,17 @@ def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
     torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
     torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
     torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
+    # NOTE: the two sum in another order: an element at a rounding boundary moves by one
+    # bf16 unit (0.03 at 4-8; job 24V: 3 of 33,792 at 33 rows).
     for a, b in zip(outs[True], outs[False], strict=True):
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=4e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernels need the GPU")
 @pytest.mark.parametrize("M,N,K,bias", [
     (5, 40, 96, True), (3, 1000, 512, False), (20, 24, 1536, True), (64, 8, 64, True),
-    (33, 40, 4096, False)])
+    (16, 40, 4096, False)])
 def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatch):
     """N not a multiple of the column block (wrapped copies, masked stores), K of 3 and 4
     chunks, bias, rows past one block; the add into a row-strided view of a wider buffer."""
@@ -127,6 +138,7 @@ def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatc
     b = torch.randn(N, generator=g, **kw) if bias else None
     b2 = torch.randn(2 * N, generator=g, **kw) if bias else None
     assert small_m_resident.fits(x, w, K)
+    assert small_m_staged.fits(x, K, "norm") == (M <= small_m_staged.MAX_M and K <= 2048)
     tol = {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, w, b),
                                skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
@@ -139,6 +151,10 @@ def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatc
     assert small_m_linear_add(x, w, view, b) is view
     torch.testing.assert_close(view, ref, **tol)
     assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
+    if K <= 2048:       # the kernel itself past MAX_M rows too (several 16-row blocks)
+        out = torch.empty(M, N, **kw)
+        small_m_staged.run(x, nw, 1e-6, w, b, None, out, N, gate_up=False)
+        torch.testing.assert_close(out, skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
 
 
 @pytest.mark.gpu

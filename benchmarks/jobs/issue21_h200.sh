@@ -254,12 +254,12 @@ U)
 V)
   py -m pytest -q tests/test_small_m_staged.py; tests_rc=$?
   MRV2_STAGED_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
-  py scripts/bench_resident_chain.py --rows ${ROWS:-4,8,16,24,32} --sweep "${SWEEP_ROWS-16}" \
+  py scripts/bench_resident_chain.py --rows ${ROWS:-4,8,16} --sweep "${SWEEP_ROWS-4,16}" \
      --sweep-runner staged_pdl --out "$OUT/staged_chain.json"
   if [ "$tests_rc" = 0 ]; then
     py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_staged_processes.json" \
        --variant default= --variant staged="--set mrv2.kernels.small_m_staged:ENABLED=true" \
-       -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16,32}
+       -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16}
   fi
   ;;
 K)

@@ -278,7 +278,9 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
         return out
     if small_m_resident.ENABLED and config is None and small_m_resident.fits(x, weight, K):
         # the weights staged in shared memory instead of registers (MRV2_STAGED_GEMM=1)
-        resident = small_m_staged if small_m_staged.ENABLED else small_m_resident
+        staged = (small_m_staged.ENABLED
+                  and small_m_staged.fits(x, K, small_m_staged.kind_of(gate_up, residual)))
+        resident = small_m_staged if staged else small_m_resident
         return resident.run(x, norm_weight, eps, weight, bias, residual, out, N,
                             gate_up=gate_up)
     cfg = (_small_m_launch(M, N, K, x.element_size()) if M <= _SMALL_M_MAX

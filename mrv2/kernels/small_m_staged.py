@@ -245,8 +245,32 @@ PIECE = 32
 #: a thread, 87 KB; o_proj / down (8, 8) 64, 38 / 54 KB; gate_up (16, 8) 128, 87 KB. NOTE:
 #: ptxas gives ~90 registers a thread at 16 warps whatever the tile: fewer warps, not smaller
 #: tiles, bring a program under half an SM.
-LAUNCH = {"norm": (32, 8, 16), "add": (8, 8, 16), "gate_up": (16, 8, 16)}
+LAUNCH = {"norm": (32, 8, 16), "add": (16, 16, 16), "gate_up": (32, 4, 16)}
 LAUNCH_OVER_16 = dict(LAUNCH)
+#: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
+#: kernel's (H100, job 24V: 1,020 / 1,108 against 762 / 782 us at 24 / 32 rows).
+MAX_M = 16
+#: The most weight bytes a program stages (a column block over all of K, x 2 for gate_up):
+#: beyond it the call stays on small_m_resident (K = 4,096 at 32 columns would need 256 KB).
+MAX_SLICE_BYTES = 128 * 1024
+
+
+def fits(x, K: int, kind: str) -> bool:
+    """Whether a call ``small_m_resident.fits`` also fits here (rows, shared memory).
+
+    Args:
+        x: the rows ``[M, K]``.
+        K: the reduction length.
+        kind: ``"norm"``, ``"add"`` or ``"gate_up"`` (``run`` derives it from its arguments).
+    """
+    block_n = launch(kind, K, x.shape[0])[0]
+    slice_bytes = block_n * K * x.element_size() * (2 if kind == "gate_up" else 1)
+    return x.shape[0] <= MAX_M and slice_bytes <= MAX_SLICE_BYTES
+
+
+def kind_of(gate_up: bool, residual) -> str:
+    """The op kind of a call: ``"gate_up"``, ``"add"`` (a residual) or ``"norm"``."""
+    return "gate_up" if gate_up else ("add" if residual is not None else "norm")
 
 
 def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
@@ -279,8 +303,7 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         config: dict | None = None):
     """One fused GEMM (``small_m_resident.run``'s arguments and result)."""
     M, K = x.shape
-    kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
-    block_n, warps, block_m = launch(kind, K, M)
+    block_n, warps, block_m = launch(kind_of(gate_up, residual), K, M)
     cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
     use_pdl = pdl.use_pdl(x.device)
     args, kwargs = _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up,
