@@ -49,8 +49,10 @@ SWEEP_BLOCK_M = (16, 32)
 
 
 def _resident(run, on: bool):
-    """``run`` with ``small_m_resident.ENABLED`` forced on or off."""
-    return chain_bench._forcing(small_m_resident, "ENABLED", on, run)
+    """``run`` with ``small_m_resident.ENABLED`` forced on or off, and small_m_staged off
+    (on by default up to 16 rows; the staged runners turn it on inside)."""
+    return chain_bench._forcing(small_m_resident, "ENABLED", on,
+                                chain_bench._forcing(small_m_staged, "ENABLED", False, run))
 
 
 def _fused(pdl_on: bool):

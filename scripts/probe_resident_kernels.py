@@ -38,7 +38,7 @@ import torch
 import bench_skinny_fused as chain_bench
 from bench_skinny_fused import ATTN, HIDDEN, INTER, QKV
 from mrv2.bench.report import environment
-from mrv2.kernels import small_m_fused, small_m_resident
+from mrv2.kernels import small_m_fused, small_m_resident, small_m_staged
 
 #: op -> (K, N of the product, kind of call)
 OPS = {"qkv": (HIDDEN, QKV, "norm"), "o_proj": (ATTN, HIDDEN, "add"),
@@ -66,7 +66,9 @@ def _timed(fn, resident: bool) -> dict:
     """``fn`` with ``small_m_resident.ENABLED`` forced to ``resident``: median us eager (it
     compiles first), then per launch of ``LAUNCHES`` in one graph, then one launch in the
     NVTX range ``profile`` (ncu's filter)."""
-    run = chain_bench._forcing(small_m_resident, "ENABLED", resident, fn)
+    # NOTE: small_m_staged (on by default up to 16 rows) would take the resident's calls.
+    run = chain_bench._forcing(small_m_resident, "ENABLED", resident,
+                               chain_bench._forcing(small_m_staged, "ENABLED", False, fn))
 
     def launches():
         for _ in range(LAUNCHES):

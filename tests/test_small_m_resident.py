@@ -16,7 +16,7 @@ import torch
 from device_utils import qwen3_layer_weights
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
-from mrv2.kernels import small_m_fused, small_m_resident
+from mrv2.kernels import small_m_fused, small_m_resident, small_m_staged
 from mrv2.kernels.skinny_fused import (
     skinny_linear_add_ref,
     skinny_norm_gate_up_silu_ref,
@@ -126,6 +126,13 @@ def test_sm90_ptx_compiles_after_an_interpreted_kernel_with_a_cold_cache(tmp_pat
 
 
 # --- the GPU ------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _not_staged(monkeypatch):
+    """This file checks the resident kernel: small_m_staged (on by default, up to 16 rows)
+    would take its calls; tests/test_small_m_staged.py checks that one."""
+    monkeypatch.setattr(small_m_staged, "ENABLED", False)
+
 
 def _resident_on(monkeypatch):
     monkeypatch.setattr(small_m_resident, "ENABLED", True)

@@ -26,7 +26,7 @@ from mrv2.kernels.small_m_fused import (
     small_m_norm_gate_up_silu,
     small_m_norm_linear,
 )
-from mrv2.platform import HAS_CUDA
+from mrv2.platform import HAS_CUDA, TRITON_INTERPRET
 
 
 def test_swizzle_spans_128_bytes_within_a_row():
@@ -46,8 +46,8 @@ def test_fits_only_slices_that_leave_room_on_the_sm():
     assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
 
 
-def test_off_unless_asked_and_the_launches_keep_a_piece_of_32_keys():
-    assert small_m_staged.ENABLED is False            # MRV2_STAGED_GEMM unset in the tests
+def test_on_by_default_on_the_gpu_and_the_launches_keep_a_piece_of_32_keys():
+    assert small_m_staged.ENABLED is (not TRITON_INTERPRET)
     assert small_m_staged.launch("norm", 1024) == small_m_staged.LAUNCH["norm"]
     assert small_m_staged.launch("add", 64)[1] == 2   # 64 keys: 2 warps of 32
     assert small_m_staged.PIECE >= small_m_resident.MIN_SLICE

@@ -80,11 +80,13 @@
 #      its GPU tests, the chain with all runners at 4-32 rows and a sweep of its launches at
 #      SWEEP_ROWS (default 16), then, only if the tests passed, TPOT main / staged over fresh
 #      processes at BATCHES (default 4,8,16,32), ~7 min
+#   W  (session 24) small_m_staged on by default: its GPU tests and the resident's, the model
+#      against transformers, the sync-debug loop, then R (~8.5 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-V}
+part=${1:?part A-W}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -262,6 +264,11 @@ V)
        -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,8,16}
   fi
   ;;
+W)
+  py -m pytest -q tests/test_small_m_staged.py tests/test_small_m_resident.py tests/test_gpu_qwen3.py
+  py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  bash "$0" R
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -271,5 +278,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-V)"; exit 2 ;;
+*) echo "unknown part $part (A-W)"; exit 2 ;;
 esac

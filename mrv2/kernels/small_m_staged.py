@@ -16,8 +16,19 @@ Same arguments, operations and roundings as ``small_m_resident``; a warp multipl
 K-slice ``PIECE`` keys at a time and sums the mean square piece by piece, so the two agree
 within fp32 rounding, not bit for bit. bf16 / fp16, CUDA only
 (Gluon has no interpreter): the CPU tests compile it for sm_90 and check the PTX (every
-``cp.async`` before the wait); the GPU tests check the numbers. OFF unless
-``MRV2_STAGED_GEMM=1``: not yet measured in the model.
+``cp.async`` before the wait); the GPU tests check the numbers.
+
+Measured (H100; the H200 kind was not lent). ptxas (Triton 3.6) gives the launches 25-50% of
+an SM's registers and 36-150 KB of shared memory, against 41-100% for the resident kernel's
+(``scripts/occupancy_sm90.py --staged-rows``). The 28-layer chain (``scripts/
+bench_resident_chain.py``, job 24W) took 546 / 555 / 589 us at 4 / 8 / 16 rows against the
+resident's 568 / 584 / 610, and 792 / 794 / 824 without PDL: the copies before the wait buy
+~250 us where the resident's loads bought ~170. In the model (``bench decode``, 192 keys, job
+24Y) the decode step's GPU time went 0.967 -> 0.903 ms at batch 4, 1.014 -> 0.958 at 8,
+1.131 -> 1.087 at 16, and TPOT over fresh processes agreed where a process was not host-bound
+(b4 0.955 / 0.967 -> 0.899 / 0.899 / 0.926 ms). Over 16 rows it lost (1,020 / 1,108 us against
+762 / 782 at 24 / 32 rows, job 24V): every 16-row block reads x twice, in pieces, and the
+resident kernel keeps 17-32 rows (``MAX_M``).
 """
 
 from __future__ import annotations
@@ -40,8 +51,11 @@ from mrv2.kernels.small_m_resident import (
 )
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
-#: Route ``small_m_resident``'s calls here (``MRV2_STAGED_GEMM=1``). Never under the interpreter.
-ENABLED: bool = env_switch("MRV2_STAGED_GEMM", False) and not TRITON_INTERPRET
+#: Route ``small_m_resident``'s calls of up to ``MAX_M`` rows here where they ``fit``: on by
+#: default on the GPU since jobs 24W-Y (H100: the decode step's GPU time -4 to -7% at batch
+#: 4-16); ``MRV2_STAGED_GEMM=0`` turns it off (``MRV2_RESIDENT_GEMM=0`` both). Never under
+#: the interpreter (Gluon has none).
+ENABLED: bool = env_switch("MRV2_STAGED_GEMM", True) and not TRITON_INTERPRET
 
 
 # Global -> shared cp.async (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load).
