@@ -18,8 +18,8 @@ within fp32 rounding, not bit for bit. bf16 / fp16, CUDA only
 (Gluon has no interpreter): the CPU tests compile it for sm_90 and check the PTX (every
 ``cp.async`` before the wait); the GPU tests check the numbers.
 
-Measured (H100; the H200 kind was not lent). ptxas (Triton 3.6) gives the launches 25-50% of
-an SM's registers and 36-150 KB of shared memory, against 41-100% for the resident kernel's
+Measured (H100; the H200 kind was not lent). ptxas (Triton 3.6) gives the launches 48-50% of
+an SM's registers and 83-148 KB of shared memory, against 41-100% for the resident kernel's
 (``scripts/occupancy_sm90.py --staged-rows``). The 28-layer chain (``scripts/
 bench_resident_chain.py``, job 24W) took 546 / 555 / 589 us at 4 / 8 / 16 rows against the
 resident's 568 / 584 / 610, and 792 / 794 / 824 without PDL: the copies before the wait buy
@@ -249,16 +249,17 @@ def _staged_kernel(
         gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
 
 
-#: Launch per op kind, as ``small_m_resident.LAUNCH`` (BLOCK_N, warps, BLOCK_M), up to 16 rows
-#: and from 17: smaller column blocks than the resident kernel's where its weight slice would
-#: take more than ~half an SM's shared memory (two programs must fit on one SM).
 #: Keys of a warp's K-slice multiplied at a time (>= small_m_resident.MIN_SLICE).
 PIECE = 32
-#: Compiled for sm_90 (Triton 3.6's ptxas, ``scripts/occupancy_sm90.py --staged-rows``) these
-#: take at most half an SM's registers and ~87 KB of shared memory: qkv (32, 8) 128 registers
-#: a thread, 87 KB; o_proj / down (8, 8) 64, 38 / 54 KB; gate_up (16, 8) 128, 87 KB. NOTE:
-#: ptxas gives ~90 registers a thread at 16 warps whatever the tile: fewer warps, not smaller
-#: tiles, bring a program under half an SM.
+#: Launch per op kind, as ``small_m_resident.LAUNCH`` (BLOCK_N, warps, BLOCK_M). Compiled for
+#: sm_90 (Triton 3.6's ptxas, ``scripts/occupancy_sm90.py --staged-rows``) each takes about half
+#: an SM's registers: qkv (32, 8) 128 a thread and 84 KB of shared memory (it fits beside the
+#: down before it), o_proj / down (16, 16) 64 and 83 / 115 KB, gate_up (32, 4) 248 and 148 KB
+#: (these do not fit beside the kernel before: shared memory; at 64 / 96 programs they leave
+#: 68 / 36 SMs free). The per-op sweep on the chain chose them (H100, jobs 24V-W: 16 rows add
+#: (8, 8) 705 -> (16, 16) 591 us, gate_up (16, 8) -> (32, 4) 675; at 4 rows all within 2% of
+#: each other). NOTE: ptxas gives ~90 registers a thread at 16 warps whatever the tile:
+#: fewer warps, not smaller tiles, bring a program under half an SM.
 LAUNCH = {"norm": (32, 8, 16), "add": (16, 16, 16), "gate_up": (32, 4, 16)}
 LAUNCH_OVER_16 = dict(LAUNCH)
 #: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
