@@ -81,7 +81,7 @@
 #      SWEEP_ROWS (default 16), then, only if the tests passed, TPOT main / staged over fresh
 #      processes at BATCHES (default 4,8,16,32), ~7 min
 #   W  (session 24) small_m_staged on by default: its GPU tests and the resident's, the model
-#      against transformers, the sync-debug loop, then R (~8.5 min)
+#      against transformers, the sync-debug loop, bench latency, then R (~6 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -267,6 +267,7 @@ V)
 W)
   py -m pytest -q tests/test_small_m_staged.py tests/test_small_m_resident.py tests/test_gpu_qwen3.py
   py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,24,32 --out "$OUT/bench_latency.json"
   bash "$0" R
   ;;
 K)
