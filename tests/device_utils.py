@@ -86,3 +86,68 @@ def qwen3_layer_weights(g, **kw):
             torch.randn(1024, 2048, generator=g, **kw) * 0.05,
             torch.randn(6144, 1024, generator=g, **kw) * 0.05,
             torch.randn(1024, 3072, generator=g, **kw) * 0.05)
+
+
+def qwen3_chain(h, ws, norm_linear, linear_add, norm_gate_up_silu):
+    """Layers ``ws`` (``qwen3_layer_weights`` tuples) of the fused decode GEMMs on rows ``h``,
+    in place, attention left out (q's first 2,048 columns stand in for its output)."""
+    for nw, qkv, o, gate_up, down in ws:
+        q = norm_linear(h, nw, 1e-6, qkv)
+        linear_add(q[:, :2048].contiguous(), o, h)
+        linear_add(norm_gate_up_silu(h, nw, 1e-6, gate_up), down, h)
+    return h
+
+
+def qwen3_chain_ref_fp32(h, ws):
+    """``qwen3_chain`` through skinny_fused's torch references in fp32 (a new tensor)."""
+    from mrv2.kernels.skinny_fused import (
+        skinny_linear_add_ref,
+        skinny_norm_gate_up_silu_ref,
+        skinny_norm_linear_ref,
+    )
+    ws32 = [tuple(t.float() for t in w) for w in ws]
+    return qwen3_chain(h.float(), ws32, skinny_norm_linear_ref, skinny_linear_add_ref,
+                       skinny_norm_gate_up_silu_ref)
+
+
+def check_ragged_fused_gemms(M, N, K, bias):
+    """small_m_fused's three entry points (whichever kernel they route to) at a ragged shape,
+    bf16 on the GPU, against skinny_fused's references: N not a multiple of the column block,
+    bias or none, the add into a row-strided view of a wider buffer (its neighbours intact).
+    Returns ``(x, norm weight, W, bias)`` of the norm + linear call, for more checks."""
+    import torch
+
+    from mrv2.kernels import small_m_resident
+    from mrv2.kernels.skinny_fused import (
+        skinny_linear_add_ref,
+        skinny_norm_gate_up_silu_ref,
+        skinny_norm_linear_ref,
+    )
+    from mrv2.kernels.small_m_fused import (
+        small_m_linear_add,
+        small_m_norm_gate_up_silu,
+        small_m_norm_linear,
+    )
+
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g, **kw)
+    nw = 1 + 0.1 * torch.randn(K, generator=g, **kw)
+    w = torch.randn(N, K, generator=g, **kw) / K ** 0.5
+    w2 = torch.randn(2 * N, K, generator=g, **kw) / K ** 0.5
+    b = torch.randn(N, generator=g, **kw) if bias else None
+    b2 = torch.randn(2 * N, generator=g, **kw) if bias else None
+    assert small_m_resident.fits(x, w, K)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, w, b),
+                               skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
+    torch.testing.assert_close(small_m_norm_gate_up_silu(x, nw, 1e-6, w2, b2),
+                               skinny_norm_gate_up_silu_ref(x, nw, 1e-6, w2, b2), **tol)
+    wide = torch.randn(M, N + 16, generator=g, **kw)
+    view = wide[:, 8:8 + N]
+    ref = skinny_linear_add_ref(x, w, view.clone(), b)
+    left, right = wide[:, :8].clone(), wide[:, 8 + N:].clone()
+    assert small_m_linear_add(x, w, view, b) is view
+    torch.testing.assert_close(view, ref, **tol)
+    assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
+    return x, nw, w, b

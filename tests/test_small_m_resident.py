@@ -13,7 +13,12 @@ import re
 
 import pytest
 import torch
-from device_utils import qwen3_layer_weights
+from device_utils import (
+    check_ragged_fused_gemms,
+    qwen3_chain,
+    qwen3_chain_ref_fp32,
+    qwen3_layer_weights,
+)
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels import small_m_fused, small_m_resident, small_m_staged
@@ -195,27 +200,7 @@ def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, block_m, m
     _resident_on(monkeypatch)
     if block_m == 32:
         _block_m(monkeypatch, block_m)
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
-    g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    x = torch.randn(M, K, generator=g, **kw)
-    nw = 1 + 0.1 * torch.randn(K, generator=g, **kw)
-    w = torch.randn(N, K, generator=g, **kw) / K ** 0.5
-    w2 = torch.randn(2 * N, K, generator=g, **kw) / K ** 0.5
-    b = torch.randn(N, generator=g, **kw) if bias else None
-    b2 = torch.randn(2 * N, generator=g, **kw) if bias else None
-    assert small_m_resident.fits(x, w, K)
-    tol = {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(small_m_norm_linear(x, nw, 1e-6, w, b),
-                               skinny_norm_linear_ref(x, nw, 1e-6, w, b), **tol)
-    torch.testing.assert_close(small_m_norm_gate_up_silu(x, nw, 1e-6, w2, b2),
-                               skinny_norm_gate_up_silu_ref(x, nw, 1e-6, w2, b2), **tol)
-    wide = torch.randn(M, N + 16, generator=g, **kw)
-    view = wide[:, 8:8 + N]
-    ref = skinny_linear_add_ref(x, w, view.clone(), b)
-    left, right = wide[:, :8].clone(), wide[:, 8 + N:].clone()
-    assert small_m_linear_add(x, w, view, b) is view
-    torch.testing.assert_close(view, ref, **tol)
-    assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
+    check_ragged_fused_gemms(M, N, K, bias)
 
 
 @pytest.mark.gpu
@@ -230,11 +215,8 @@ def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
     h0 = torch.randn(M, 1024, generator=g, **kw)
 
     def chain(h):
-        for nw, qkv, o, gate_up, down in ws:
-            q = small_m_norm_linear(h, nw, 1e-6, qkv)
-            small_m_linear_add(q[:, :2048].contiguous(), o, h)
-            small_m_linear_add(small_m_norm_gate_up_silu(h, nw, 1e-6, gate_up), down, h)
-        return h
+        return qwen3_chain(h, ws, small_m_norm_linear, small_m_linear_add,
+                           small_m_norm_gate_up_silu)
 
     monkeypatch.setattr(small_m_resident, "ENABLED", False)
     fused = chain(h0.clone())
@@ -252,12 +234,7 @@ def test_gpu_chain_in_a_cuda_graph_equals_eager(M, monkeypatch):
     # Both chains round at the same places and sum in another order: against the fp32 chain,
     # the resident's error is that of small_m_fused (not elementwise: two layers of bf16
     # residual adds move single elements by a few units in the last place either way).
-    ref = h0.float()
-    for nw, qkv, o, gate_up, down in ws:
-        nw, qkv, o, gate_up, down = (t.float() for t in (nw, qkv, o, gate_up, down))
-        q = skinny_norm_linear_ref(ref, nw, 1e-6, qkv)
-        ref = skinny_linear_add_ref(q[:, :2048].contiguous(), o, ref)
-        ref = skinny_linear_add_ref(skinny_norm_gate_up_silu_ref(ref, nw, 1e-6, gate_up), down, ref)
+    ref = qwen3_chain_ref_fp32(h0, ws)
 
     def rms(a):
         return (a.float() - ref).pow(2).mean().sqrt().item()

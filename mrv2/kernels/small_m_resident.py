@@ -166,6 +166,35 @@ def _sum_sq(x):
     return _sum(_sum(xf * xf, 2), 0)
 
 
+@gluon.jit
+def _sum_and_store(acc, acc_up, red, red_up, bias, bias_up, rows, on, n_ok, M, residual_ptr,
+                   stride_rm, out_ptr, stride_om, RL: gl.constexpr, GATE_UP: gl.constexpr,
+                   ADD_RESIDUAL: gl.constexpr):
+    # The warps' K-slices summed ([S, BM, BN] -> [BM, BN]) through the padded buffer, then the
+    # unfused path's roundings (as fused_epilogue.round_product / store_output, which are
+    # Triton, not Gluon), the residual add and the store of rows ``rows``, columns ``on``.
+    _barrier()                           # the last block's readers are done with red
+    red.store(acc)
+    if GATE_UP:
+        red_up.store(acc_up)
+    _barrier()
+    y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                    # [BM, BN]
+    DT: gl.constexpr = out_ptr.dtype.element_ty
+    y = y.to(DT).to(gl.float32)
+    if GATE_UP:
+        g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
+        silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
+        y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
+    o_rows = gl.expand_dims(rows, 1)                                        # [BM, 1]
+    mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
+    cols = gl.expand_dims(on, 0)
+    if ADD_RESIDUAL:
+        # NOTE: in place is race-free: a program reads and writes only its own columns.
+        r = gl.load(residual_ptr + o_rows * stride_rm + cols, mask=mask, other=0.0)
+        y = y + r.to(gl.float32)
+    gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
+
+
 @gluon.jit(do_not_specialize=["M"])
 def _resident_kernel(
     x_ptr, norm_w_ptr, w_ptr, bias_ptr, residual_ptr,   # inputs: x [M, K], W [N or 2N, K]
@@ -294,28 +323,8 @@ def _resident_kernel(
             acc = mma_v2(x, w3, acc)
             if GATE_UP:
                 acc_up = mma_v2(x, u3, acc_up)
-        # The warps' K-slices summed: [BM, BN], then the unfused path's roundings
-        # (as fused_epilogue.round_product / store_output, which are Triton, not Gluon).
-        _barrier()                       # the last block's readers are done with red
-        red.store(acc)
-        if GATE_UP:
-            red_up.store(acc_up)
-        _barrier()
-        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [BM, BN]
-        DT: gl.constexpr = out_ptr.dtype.element_ty
-        y = y.to(DT).to(gl.float32)
-        if GATE_UP:
-            g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
-            silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
-            y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
-        o_rows = gl.expand_dims(m0 + om, 1)                                 # [BM, 1]
-        mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
-        cols = gl.expand_dims(on, 0)
-        if ADD_RESIDUAL:
-            # NOTE: in place is race-free: a program reads and writes only its own columns.
-            r = gl.load(residual_ptr + o_rows * stride_rm + cols, mask=mask, other=0.0)
-            y = y + r.to(gl.float32)
-        gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
+        _sum_and_store(acc, acc_up, red, red_up, bias, bias_up, m0 + om, on, n_ok, M,
+                       residual_ptr, stride_rm, out_ptr, stride_om, RL, GATE_UP, ADD_RESIDUAL)
 
 
 def chunks(K: int) -> tuple[int, int] | None:

@@ -47,6 +47,7 @@ from mrv2.kernels.small_m_resident import (
     _gdc_wait,
     _normed,
     _sum,
+    _sum_and_store,
     chunks,
 )
 from mrv2.platform import TRITON_INTERPRET, env_switch
@@ -228,25 +229,8 @@ def _staged_kernel(
         if NCH > 3:
             acc, acc_up = _mma_chunk(acc, acc_up, w3, u3, x_ptrs, nw_ptrs, row_ok, rstd3, 3,
                                      KCH, KS, P, NORM, GATE_UP, WL)
-        _barrier()
-        red.store(acc)
-        if GATE_UP:
-            red_up.store(acc_up)
-        _barrier()
-        y = _sum(red.load(RL), 0) + gl.expand_dims(bias, 0)                # [BM, BN]
-        DT: gl.constexpr = out_ptr.dtype.element_ty
-        y = y.to(DT).to(gl.float32)
-        if GATE_UP:
-            g_up = _sum(red_up.load(RL), 0) + gl.expand_dims(bias_up, 0)
-            silu = (y / (1.0 + gl.exp(-y))).to(DT).to(gl.float32)
-            y = (silu * g_up.to(DT).to(gl.float32)).to(DT).to(gl.float32)
-        o_rows = gl.expand_dims(m0 + om, 1)                                 # [BM, 1]
-        mask = (o_rows < M) & gl.expand_dims(n_ok, 0)
-        cols = gl.expand_dims(on, 0)
-        if ADD_RESIDUAL:
-            r = gl.load(residual_ptr + o_rows * stride_rm + cols, mask=mask, other=0.0)
-            y = y + r.to(gl.float32)
-        gl.store(out_ptr + o_rows * stride_om + cols, y.to(DT), mask=mask)
+        _sum_and_store(acc, acc_up, red, red_up, bias, bias_up, m0 + om, on, n_ok, M,
+                       residual_ptr, stride_rm, out_ptr, stride_om, RL, GATE_UP, ADD_RESIDUAL)
 
 
 #: Keys of a warp's K-slice multiplied at a time (>= small_m_resident.MIN_SLICE).
