@@ -7,9 +7,9 @@ program of the next kernel fits BESIDE one of them, so its early loads start onl
 a kernel leaves free, or as its programs end (chapter 10, session 23).
 
 Here the weights go to shared memory with ``cp.async`` (Ampere's asynchronous copy: no
-register holds them in flight) before the wait. What a program keeps in registers is then
-only its rows' activations, the accumulators and one chunk's weights at a time, read back
-from shared memory after the wait. The hope: programs small enough that kernel i+1's sit
+register holds them in flight) before the wait. What a thread keeps in registers after it is
+then the accumulators and one piece (``PIECE`` keys) of x and of W at a time, W's read back
+from shared memory. The hope: programs small enough that kernel i+1's sit
 beside kernel i's on one SM, and its whole weight slice arrives while kernel i computes.
 
 Same arguments, operations and roundings as ``small_m_resident``; a warp multiplies its
@@ -27,9 +27,10 @@ resident's 568 / 584 / 610, and 792 / 794 / 824 without PDL: the copies before t
 24Y) the decode step's GPU time went 0.967 -> 0.903 ms at batch 4, 1.014 -> 0.958 at 8,
 1.131 -> 1.087 at 16, and TPOT over fresh processes agreed where a process was not host-bound
 (b4 0.955 / 0.967 -> 0.899 / 0.899 / 0.926 ms). Opt-in until the model's GPU tests run with it
-(``ENABLED``). Over 16 rows it lost (1,020 / 1,108 us against
-762 / 782 at 24 / 32 rows, job 24V): every 16-row block reads x twice, in pieces, and the
-resident kernel keeps 17-32 rows (``MAX_M``).
+(``ENABLED``). Over 16 rows it lost (first launches, job 24V: 1,020 / 1,108 us against 762 /
+782 at 24 / 32 rows): every 16-row block reads x twice, in pieces, so the resident kernel
+keeps 17-32 rows (``MAX_M``). Taking 32 rows a pass (``BLOCK_M`` 32) would read x once, but
+ptxas then gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6).
 """
 
 from __future__ import annotations
