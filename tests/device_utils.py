@@ -151,3 +151,43 @@ def check_ragged_fused_gemms(M, N, K, bias):
     torch.testing.assert_close(view, ref, **tol)
     assert torch.equal(wide[:, :8], left) and torch.equal(wide[:, 8 + N:], right)
     return x, nw, w, b
+
+
+def check_qwen3_shape_fused_gemms(M, route, atol_between=2e-2):
+    """small_m_fused's entry points at the Qwen3-0.6B shapes, M rows, bf16 on the GPU, run
+    twice: ``route(True)`` sends them to the kernel under test, ``route(False)`` to the one it
+    is compared with. The first run within bf16 rounding of skinny_fused's torch references,
+    and of the second run (``atol_between``: two kernels that sum in another order may move an
+    element at a rounding boundary by one bf16 unit)."""
+    import torch
+
+    from mrv2.kernels.skinny_fused import (
+        skinny_linear_add_ref,
+        skinny_norm_gate_up_silu_ref,
+        skinny_norm_linear_ref,
+    )
+    from mrv2.kernels.small_m_fused import (
+        small_m_linear_add,
+        small_m_norm_gate_up_silu,
+        small_m_norm_linear,
+    )
+
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, 1024, generator=g, **kw)
+    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
+    attn = torch.randn(M, 2048, generator=g, **kw)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    outs = {}
+    for on in (False, True):
+        route(on)
+        act = small_m_norm_gate_up_silu(x, nw, 1e-6, gate_up)
+        outs[on] = (small_m_norm_linear(x, nw, 1e-6, qkv), act,
+                    small_m_linear_add(attn, o, x.clone()), small_m_linear_add(act, down, x.clone()))
+    q, act, r1, r2 = outs[True]
+    torch.testing.assert_close(q, skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
+    torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
+    torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
+    torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
+    for a, b in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=atol_between)

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from device_utils import (
+    check_qwen3_shape_fused_gemms,
     check_ragged_fused_gemms,
     qwen3_chain,
     qwen3_chain_ref_fp32,
@@ -22,11 +23,6 @@ from device_utils import (
 
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels import small_m_fused, small_m_resident, small_m_staged
-from mrv2.kernels.skinny_fused import (
-    skinny_linear_add_ref,
-    skinny_norm_gate_up_silu_ref,
-    skinny_norm_linear_ref,
-)
 from mrv2.kernels.small_m_fused import (
     small_m_linear_add,
     small_m_norm_gate_up_silu,
@@ -165,27 +161,8 @@ def test_gpu_bf16_qwen3_shapes_match_the_references(M, launches, monkeypatch):
     if launches == "candidates":
         for (name, kind), launch in small_m_resident.LAUNCH_CANDIDATES.items():
             monkeypatch.setitem(getattr(small_m_resident, name), kind, launch)
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
-    g = torch.Generator(device="cuda").manual_seed(M)
-    x = torch.randn(M, 1024, generator=g, **kw)
-    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
-    attn = torch.randn(M, 2048, generator=g, **kw)
-    tol = {"rtol": 2e-2, "atol": 2e-2}
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(small_m_resident, "ENABLED", on)
-        q = small_m_norm_linear(x, nw, 1e-6, qkv)
-        act = small_m_norm_gate_up_silu(x, nw, 1e-6, gate_up)
-        r1 = small_m_linear_add(attn, o, x.clone())
-        r2 = small_m_linear_add(act, down, x.clone())
-        outs[on] = (q, act, r1, r2)
-    q, act, r1, r2 = outs[True]
-    torch.testing.assert_close(q, skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
-    torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
-    torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
-    torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
-    for a, b in zip(outs[True], outs[False]):
-        torch.testing.assert_close(a, b, **tol)
+    check_qwen3_shape_fused_gemms(
+        M, lambda on: monkeypatch.setattr(small_m_resident, "ENABLED", on))
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from device_utils import (
+    check_qwen3_shape_fused_gemms,
     check_ragged_fused_gemms,
     qwen3_chain,
     qwen3_chain_ref_fp32,
@@ -23,8 +24,6 @@ from device_utils import (
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2.kernels import small_m_resident, small_m_staged
 from mrv2.kernels.skinny_fused import (
-    skinny_linear_add_ref,
-    skinny_norm_gate_up_silu_ref,
     skinny_norm_linear_ref,
 )
 from mrv2.kernels.small_m_fused import (
@@ -101,30 +100,11 @@ def _staged_on(monkeypatch):
 def test_gpu_bf16_qwen3_shapes_match_the_references(M, monkeypatch):
     """Each op at the Qwen3-0.6B shapes within bf16 rounding of the torch reference and of
     small_m_resident (the same roundings, sums over K in pieces)."""
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
-    g = torch.Generator(device="cuda").manual_seed(M)
-    x = torch.randn(M, 1024, generator=g, **kw)
-    nw, qkv, o, gate_up, down = qwen3_layer_weights(g, **kw)
-    attn = torch.randn(M, 2048, generator=g, **kw)
-    tol = {"rtol": 2e-2, "atol": 2e-2}
-    outs = {}
     monkeypatch.setattr(small_m_resident, "ENABLED", True)
-    for staged in (False, True):
-        monkeypatch.setattr(small_m_staged, "ENABLED", staged)
-        q = small_m_norm_linear(x, nw, 1e-6, qkv)
-        act = small_m_norm_gate_up_silu(x, nw, 1e-6, gate_up)
-        r1 = small_m_linear_add(attn, o, x.clone())
-        r2 = small_m_linear_add(act, down, x.clone())
-        outs[staged] = (q, act, r1, r2)
-    q, act, r1, r2 = outs[True]
-    torch.testing.assert_close(q, skinny_norm_linear_ref(x, nw, 1e-6, qkv), **tol)
-    torch.testing.assert_close(act, skinny_norm_gate_up_silu_ref(x, nw, 1e-6, gate_up), **tol)
-    torch.testing.assert_close(r1, skinny_linear_add_ref(attn, o, x.clone()), **tol)
-    torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
     # NOTE: the two sum in another order: an element at a rounding boundary moves by one
     # bf16 unit (0.03 at 4-8; job 24V: 3 of 33,792 at 33 rows).
-    for a, b in zip(outs[True], outs[False], strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=4e-2)
+    check_qwen3_shape_fused_gemms(
+        M, lambda on: monkeypatch.setattr(small_m_staged, "ENABLED", on), atol_between=4e-2)
 
 
 @pytest.mark.gpu
