@@ -167,6 +167,22 @@ def _sum_sq(x):
 
 
 @gluon.jit
+def _columns_and_bias(bias_ptr, n0, N, BLOCK_N: gl.constexpr, OL: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, GATE_UP: gl.constexpr):
+    # The program's output columns n0 .. n0 + BLOCK_N in the epilogue's layout, which of them
+    # exist, and their bias (fp32; gate_up: the gate's and the up half's), zeros without one.
+    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
+    n_ok = on < N
+    bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
+    bias_up = bias
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + on, mask=n_ok, other=0.0).to(gl.float32)
+        if GATE_UP:
+            bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
+    return on, n_ok, bias, bias_up
+
+
+@gluon.jit
 def _sum_and_store(acc, acc_up, red, red_up, bias, bias_up, rows, on, n_ok, M, residual_ptr,
                    stride_rm, out_ptr, stride_om, RL: gl.constexpr, GATE_UP: gl.constexpr,
                    ADD_RESIDUAL: gl.constexpr):
@@ -266,14 +282,8 @@ def _resident_kernel(
     x_k = xs * KS + xk                                                      # [S, 1, KS]
     nw_ptrs = norm_w_ptr + x_k
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
-    on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
-    n_ok = on < N
-    bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
-    bias_up = bias
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + on, mask=n_ok, other=0.0).to(gl.float32)
-        if GATE_UP:
-            bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
+    on, n_ok, bias, bias_up = _columns_and_bias(bias_ptr, pid * BLOCK_N, N, BLOCK_N, OL,
+                                                HAS_BIAS, GATE_UP)
 
     # 3. BLOCK_M (16 or 32) rows at a time.
     for m0 in range(0, M, BLOCK_M):
@@ -342,11 +352,13 @@ def chunks(K: int) -> tuple[int, int] | None:
 MIN_SLICE = 32
 
 
-def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
+def launch(kind: str, K: int, M: int = 16, tables: tuple[dict, dict] | None = None
+           ) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, BLOCK_M)`` for an op kind at K and M rows: ``LAUNCH``'s (over 16
-    rows ``LAUNCH_OVER_16``'s), fewer warps when a warp's K-slice of a chunk would be under
-    ``MIN_SLICE``."""
-    block_n, warps, block_m = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
+    rows ``LAUNCH_OVER_16``'s; ``tables``: another module's pair, as small_m_staged's), fewer
+    warps when a warp's K-slice of a chunk would be under ``MIN_SLICE``."""
+    up_to_16, over_16 = tables or (LAUNCH, LAUNCH_OVER_16)
+    block_n, warps, block_m = (up_to_16 if M <= 16 else over_16)[kind]
     kch, _ = chunks(K) or (MAX_KCH, 1)
     while warps > 1 and kch // warps < MIN_SLICE:
         warps //= 2
@@ -376,6 +388,27 @@ def fits(x: torch.Tensor, weight: torch.Tensor, K: int) -> bool:
             and chunks(K)[0] >= MIN_SLICE and weight.stride(1) == 1)
 
 
+def kind_of(gate_up: bool, residual) -> str:
+    """The op kind of a call: ``"gate_up"``, ``"add"`` (a residual) or ``"norm"``."""
+    return "gate_up" if gate_up else ("add" if residual is not None else "norm")
+
+
+def kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up, cfg):
+    """``(args, kwargs)`` of one launch (``run``'s arguments; ``cfg``: ``block_n``,
+    ``num_warps``, ``block_m``), PDL aside: what this kernel and small_m_staged's take."""
+    M, K = x.shape
+    kch, nch = chunks(K)
+    r = residual if residual is not None else out
+    args = (x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else weight, r, out,
+            M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0))
+    kwargs = {"NORM": norm_weight is not None, "GATE_UP": gate_up,
+              "ADD_RESIDUAL": residual is not None, "HAS_BIAS": bias is not None,
+              "BLOCK_N": cfg["block_n"], "KCH": kch, "NCH": nch, "BLOCK_M": cfg["block_m"],
+              "num_warps": cfg["num_warps"]}
+    return args, kwargs
+
+
 def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         config: dict | None = None) -> torch.Tensor:
     """One fused GEMM (``small_m_fused._run``'s arguments, checked there): see the module.
@@ -383,21 +416,12 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
     Args:
         config: overrides ``{"block_n": 8 | 16 | 32, "num_warps": 1-16, "block_m": 16 | 32}``.
     """
-    M, K = x.shape
-    kind = "gate_up" if gate_up else ("add" if residual is not None else "norm")
-    block_n, warps, block_m = launch(kind, K, M)
+    block_n, warps, block_m = launch(kind_of(gate_up, residual), x.shape[1], x.shape[0])
     cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
-    kch, nch = chunks(K)
     use_pdl = pdl.use_pdl(x.device)
-    r = residual if residual is not None else out
+    args, kwargs = kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up, cfg)
     _resident_kernel[(triton.cdiv(N, cfg["block_n"]),)](
-        x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, r, out,
-        M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0),
-        NORM=norm_weight is not None, GATE_UP=gate_up, ADD_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], KCH=kch, NCH=nch,
-        BLOCK_M=cfg["block_m"], PDL=use_pdl,
-        num_warps=cfg["num_warps"], **pdl.launch_kwargs(use_pdl))
+        *args, PDL=use_pdl, **kwargs, **pdl.launch_kwargs(use_pdl))
     return out
 
 
@@ -413,18 +437,23 @@ def sm90_kernel(M: int, N: int, K: int, kind: str):
         ``(kernel, block_n, num_warps)``: Triton's compiled kernel (``kernel.asm["ptx"]``,
         ``kernel.metadata.shared``) and the launch it was compiled for.
     """
+    return compile_call_sm90(_resident_kernel, kernel_args, launch, M, N, K, kind)
+
+
+def compile_call_sm90(fn, args_of, launch_of, M: int, N: int, K: int, kind: str):
+    """``sm90_kernel``'s work for a kernel ``fn`` whose module builds its arguments with
+    ``args_of`` (``kernel_args``'s contract) and picks launches with ``launch_of``
+    (``launch``'s): CPU stand-ins of one call of op ``kind``, compiled with ``compile_sm90``."""
     bf = torch.bfloat16
     gate_up = kind == "gate_up"
     x = torch.empty(M, K, dtype=bf)
     w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
     out = torch.empty(M, N, dtype=bf)
-    block_n, warps, block_m = launch(kind, K, M)
-    kch, nch = chunks(K)
-    args = (x, torch.empty(K, dtype=bf), w, w, out, out, M, N, K, 1e-6, K, K, N, N)
-    kwargs = {"NORM": kind != "add", "GATE_UP": gate_up, "ADD_RESIDUAL": kind == "add",
-              "HAS_BIAS": False, "BLOCK_N": block_n, "KCH": kch, "NCH": nch, "BLOCK_M": block_m,
-              "PDL": True, "num_warps": warps}
-    return compile_sm90(_resident_kernel, args, kwargs), block_n, warps
+    block_n, warps, block_m = launch_of(kind, K, M)
+    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m}
+    args, kwargs = args_of(x, torch.empty(K, dtype=bf) if kind != "add" else None, 1e-6, w,
+                           None, out if kind == "add" else None, out, N, gate_up, cfg)
+    return compile_sm90(fn, args, {**kwargs, "PDL": True}), block_n, warps
 
 
 def compile_sm90(fn, args: tuple, kwargs: dict):

@@ -45,12 +45,13 @@ from mrv2.kernels.small_m_resident import (
     RED_INTERVAL,
     RED_PAD,
     _barrier,
+    _columns_and_bias,
     _dims3,
     _gdc_wait,
     _normed,
     _sum,
     _sum_and_store,
-    chunks,
+    kind_of,
 )
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
@@ -89,6 +90,30 @@ def _copy_chunk(smem, w_ptr, n0, row0, N, stride_wn, col0, S: gl.constexpr,
     rows = row0 + (n0 + n3) % N                                             # [1, BN, 1]
     ptrs = w_ptr + rows.to(gl.int64) * stride_wn + col0 + s3 * KS + k3      # [S, BN, KS]
     _async_load(smem, ptrs)
+
+
+@gluon.jit
+def _stage(w_ptr, n0, row0, N, stride_wn, S: gl.constexpr, BLOCK_N: gl.constexpr,
+           KS: gl.constexpr, KCH: gl.constexpr, NCH: gl.constexpr, CL: gl.constexpr,
+           WS: gl.constexpr):
+    # Rows row0 + (n0 .. n0 + BLOCK_N) % N of W, all of K, copied into one [S, BN, KS] buffer a
+    # chunk (chunk c at K offset c * KCH; unused buffers alias the first). NOTE: the last column
+    # block wraps onto real rows of W (n % N), as in small_m_resident.
+    b0 = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [S, BLOCK_N, KS], WS)
+    b1 = b0
+    b2 = b0
+    b3 = b0
+    _copy_chunk(b0, w_ptr, n0, row0, N, stride_wn, 0, S, BLOCK_N, KS, CL)
+    if NCH > 1:
+        b1 = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [S, BLOCK_N, KS], WS)
+        _copy_chunk(b1, w_ptr, n0, row0, N, stride_wn, KCH, S, BLOCK_N, KS, CL)
+    if NCH > 2:
+        b2 = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [S, BLOCK_N, KS], WS)
+        _copy_chunk(b2, w_ptr, n0, row0, N, stride_wn, 2 * KCH, S, BLOCK_N, KS, CL)
+    if NCH > 3:
+        b3 = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [S, BLOCK_N, KS], WS)
+        _copy_chunk(b3, w_ptr, n0, row0, N, stride_wn, 3 * KCH, S, BLOCK_N, KS, CL)
+    return b0, b1, b2, b3
 
 
 @gluon.jit
@@ -135,53 +160,17 @@ def _staged_kernel(
     # The weights, one [S, BN, KS] buffer a chunk (warp s's K-slice at s), K innermost,
     # swizzled. NOTE: not one [NCH * S, ...] buffer: shapes must be powers of two (NCH = 3).
     WS: gl.constexpr = gl.SwizzledSharedLayout(8, PER_PHASE, MAX_PHASE, [2, 1, 0])
-    DT_W: gl.constexpr = w_ptr.dtype.element_ty
-    w0 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if NCH > 1:
-        w1 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-    if NCH > 2:
-        w2 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-    if NCH > 3:
-        w3 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-    u0 = w0
-    u1 = w0
-    u2 = w0
-    u3 = w0
-    if GATE_UP:
-        u0 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-        if NCH > 1:
-            u1 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-        if NCH > 2:
-            u2 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
-        if NCH > 3:
-            u3 = gl.allocate_shared_memory(DT_W, [S, BLOCK_N, KS], WS)
+
+    # 1. This program's weights into shared memory, all of K, before the wait.
+    n0 = gl.program_id(0) * BLOCK_N
+    w0, w1, w2, w3 = _stage(w_ptr, n0, 0, N, stride_wn, S, BLOCK_N, KS, KCH, NCH, CL, WS)
+    u0, u1, u2, u3 = w0, w1, w2, w3
+    if GATE_UP:                                                             # the up rows
+        u0, u1, u2, u3 = _stage(w_ptr, n0, N, N, stride_wn, S, BLOCK_N, KS, KCH, NCH, CL, WS)
     red = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
     red_up = red
     if GATE_UP:
         red_up = gl.allocate_shared_memory(gl.float32, [S, BLOCK_M, BLOCK_N], RED)
-    pid = gl.program_id(0)
-
-    # 1. This program's weights into shared memory, all of K, before the wait.
-    n0 = pid * BLOCK_N
-    # NOTE: the last column block wraps onto real rows of W (n % N), as in small_m_resident.
-    _copy_chunk(w0, w_ptr, n0, 0, N, stride_wn, 0, S, BLOCK_N, KS, CL)
-    if NCH > 1:
-        _copy_chunk(w1, w_ptr, n0, 0, N, stride_wn, KCH, S, BLOCK_N, KS, CL)
-    if NCH > 2:
-        _copy_chunk(w2, w_ptr, n0, 0, N, stride_wn, 2 * KCH, S, BLOCK_N, KS, CL)
-    if NCH > 3:
-        _copy_chunk(w3, w_ptr, n0, 0, N, stride_wn, 3 * KCH, S, BLOCK_N, KS, CL)
-    if GATE_UP:                                                             # the up rows
-        _copy_chunk(u0, w_ptr, n0, N, N, stride_wn, 0, S, BLOCK_N, KS, CL)
-        if NCH > 1:
-            _copy_chunk(u1, w_ptr, n0, N, N, stride_wn, KCH, S, BLOCK_N, KS, CL)
-        if NCH > 2:
-            _copy_chunk(u2, w_ptr, n0, N, N, stride_wn, 2 * KCH, S, BLOCK_N, KS, CL)
-        if NCH > 3:
-            _copy_chunk(u3, w_ptr, n0, N, N, stride_wn, 3 * KCH, S, BLOCK_N, KS, CL)
     async_copy.commit_group()
     # 2. Only now wait for the kernel that wrote x (and the residual).
     if PDL:
@@ -191,14 +180,8 @@ def _staged_kernel(
     x_k = xs * KS + xk                                                      # [S, 1, P]
     nw_ptrs = norm_w_ptr + x_k
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
-    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OL))
-    n_ok = on < N
-    bias = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(0, OL))
-    bias_up = bias
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + on, mask=n_ok, other=0.0).to(gl.float32)
-        if GATE_UP:
-            bias_up = gl.load(bias_ptr + N + on, mask=n_ok, other=0.0).to(gl.float32)
+    on, n_ok, bias, bias_up = _columns_and_bias(bias_ptr, n0, N, BLOCK_N, OL, HAS_BIAS,
+                                                GATE_UP)
     async_copy.wait_group(0)
     _barrier()                           # every lane's copies visible to every warp
 
@@ -270,42 +253,26 @@ def fits(x, K: int, kind: str) -> bool:
     return x.shape[0] <= MAX_M and slice_bytes <= MAX_SLICE_BYTES
 
 
-def kind_of(gate_up: bool, residual) -> str:
-    """The op kind of a call: ``"gate_up"``, ``"add"`` (a residual) or ``"norm"``."""
-    return "gate_up" if gate_up else ("add" if residual is not None else "norm")
-
-
 def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, BLOCK_M)`` for an op kind at K and M rows (``LAUNCH`` / over 16
-    rows ``LAUNCH_OVER_16``), fewer warps where a warp's K-slice would be under 32 keys."""
-    block_n, warps, block_m = (LAUNCH if M <= 16 else LAUNCH_OVER_16)[kind]
-    kch, _ = chunks(K) or (small_m_resident.MAX_KCH, 1)
-    while warps > 1 and kch // warps < small_m_resident.MIN_SLICE:
-        warps //= 2
-    return block_n, warps, block_m
+    """``(BLOCK_N, num_warps, BLOCK_M)``: ``small_m_resident.launch`` on this module's
+    ``LAUNCH`` / ``LAUNCH_OVER_16``."""
+    return small_m_resident.launch(kind, K, M, (LAUNCH, LAUNCH_OVER_16))
 
 
 def _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up, cfg):
-    M, K = x.shape
-    kch, nch = chunks(K)
-    r = residual if residual is not None else out
-    per_phase, max_phase = swizzle(kch // cfg["num_warps"])
-    args = (x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else weight, r, out,
-            M, N, K, float(eps), x.stride(0), weight.stride(0), r.stride(0), out.stride(0))
-    kwargs = {"NORM": norm_weight is not None, "GATE_UP": gate_up,
-              "ADD_RESIDUAL": residual is not None, "HAS_BIAS": bias is not None,
-              "BLOCK_N": cfg["block_n"], "KCH": kch, "NCH": nch, "BLOCK_M": cfg["block_m"],
-              "PER_PHASE": per_phase, "MAX_PHASE": max_phase,
-              "P": min(PIECE, kch // cfg["num_warps"]), "num_warps": cfg["num_warps"]}
-    return args, kwargs
+    # small_m_resident's arguments, plus the weight buffer's swizzle and the piece width.
+    args, kwargs = small_m_resident.kernel_args(x, norm_weight, eps, weight, bias, residual,
+                                                out, N, gate_up, cfg)
+    ks = kwargs["KCH"] // cfg["num_warps"]
+    per_phase, max_phase = swizzle(ks)
+    return args, {**kwargs, "PER_PHASE": per_phase, "MAX_PHASE": max_phase,
+                  "P": min(PIECE, ks)}
 
 
 def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         config: dict | None = None):
     """One fused GEMM (``small_m_resident.run``'s arguments and result)."""
-    M, K = x.shape
-    block_n, warps, block_m = launch(kind_of(gate_up, residual), K, M)
+    block_n, warps, block_m = launch(kind_of(gate_up, residual), x.shape[1], x.shape[0])
     cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
     use_pdl = pdl.use_pdl(x.device)
     args, kwargs = _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up,
@@ -318,15 +285,5 @@ def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
 def sm90_kernel(M: int, N: int, K: int, kind: str):
     """``(kernel, block_n, num_warps)``: one launch compiled for sm_90 (bf16, PDL), no GPU
     needed (``small_m_resident.sm90_kernel``'s contract)."""
-    import torch
-    bf = torch.bfloat16
-    gate_up = kind == "gate_up"
-    x = torch.empty(M, K, dtype=bf)
-    w = torch.empty(2 * N if gate_up else N, K, dtype=bf)
-    out = torch.empty(M, N, dtype=bf)
-    block_n, warps, block_m = launch(kind, K, M)
-    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m}
-    args, kwargs = _kernel_args(x, torch.empty(K, dtype=bf) if kind != "add" else None, 1e-6,
-                                w, None, out if kind == "add" else None, out, N, gate_up, cfg)
-    kwargs["PDL"] = True
-    return small_m_resident.compile_sm90(_staged_kernel, args, kwargs), block_n, warps
+    return small_m_resident.compile_call_sm90(_staged_kernel, _kernel_args, launch, M, N, K,
+                                              kind)
