@@ -14,10 +14,10 @@ attention left out) at the rows given, three runners in one process:
   copied into shared memory before the wait, up to its MAX_M rows), with
   ``max_abs_diff_vs_fused``; ``staged``: the same without PDL.
 
-``--sweep 16,32`` then walks (at those rows; ``--sweep-runner staged_pdl``: small_m_staged's
-tables) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
-above 16 rows) per op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other
-kinds at their default, on the resident chain. Prints one line per figure; ``--out`` JSON.
+``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
+above 16 rows; with ``--sweep-runner staged_pdl`` small_m_staged's tables, on its chain) per
+op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other kinds at their
+default, on the resident chain. Prints one line per figure; ``--out`` JSON.
 
     python scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep 32 --out r.json
 """
@@ -50,7 +50,8 @@ SWEEP_BLOCK_M = (16, 32)
 
 def _resident(run, on: bool):
     """``run`` with ``small_m_resident.ENABLED`` forced on or off, and small_m_staged off
-    (on by default up to 16 rows; the staged runners turn it on inside)."""
+    (``MRV2_STAGED_GEMM=1`` would route up to 16 rows there; the staged runners turn it on
+    inside)."""
     return chain_bench._forcing(small_m_resident, "ENABLED", on,
                                 chain_bench._forcing(small_m_staged, "ENABLED", False, run))
 

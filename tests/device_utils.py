@@ -4,6 +4,17 @@ import functools
 
 import torch
 
+from mrv2.kernels import small_m_resident
+from mrv2.kernels.skinny_fused import (
+    skinny_linear_add_ref,
+    skinny_norm_gate_up_silu_ref,
+    skinny_norm_linear_ref,
+)
+from mrv2.kernels.small_m_fused import (
+    small_m_linear_add,
+    small_m_norm_gate_up_silu,
+    small_m_norm_linear,
+)
 from mrv2.platform import DEVICE
 
 
@@ -63,8 +74,6 @@ def generate_without_sync(llm, prompts, params):
     Returns:
         The ``RequestOutput`` list.
     """
-    import torch
-
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -79,8 +88,6 @@ def qwen3_layer_weights(g, **kw):
     """One Qwen3-0.6B decoder layer's fused-GEMM weights, drawn from generator ``g`` (``kw``:
     device and dtype): ``(norm weight [1024], qkv [4096, 1024], o_proj [1024, 2048],
     gate_up [6144, 1024], down [1024, 3072])``, scaled like a trained layer's."""
-    import torch
-
     return (1 + 0.1 * torch.randn(1024, generator=g, **kw),
             torch.randn(4096, 1024, generator=g, **kw) * 0.05,
             torch.randn(1024, 2048, generator=g, **kw) * 0.05,
@@ -100,11 +107,6 @@ def qwen3_chain(h, ws, norm_linear, linear_add, norm_gate_up_silu):
 
 def qwen3_chain_ref_fp32(h, ws):
     """``qwen3_chain`` through skinny_fused's torch references in fp32 (a new tensor)."""
-    from mrv2.kernels.skinny_fused import (
-        skinny_linear_add_ref,
-        skinny_norm_gate_up_silu_ref,
-        skinny_norm_linear_ref,
-    )
     ws32 = [tuple(t.float() for t in w) for w in ws]
     return qwen3_chain(h.float(), ws32, skinny_norm_linear_ref, skinny_linear_add_ref,
                        skinny_norm_gate_up_silu_ref)
@@ -115,20 +117,6 @@ def check_ragged_fused_gemms(M, N, K, bias):
     bf16 on the GPU, against skinny_fused's references: N not a multiple of the column block,
     bias or none, the add into a row-strided view of a wider buffer (its neighbours intact).
     Returns ``(x, norm weight, W, bias)`` of the norm + linear call, for more checks."""
-    import torch
-
-    from mrv2.kernels import small_m_resident
-    from mrv2.kernels.skinny_fused import (
-        skinny_linear_add_ref,
-        skinny_norm_gate_up_silu_ref,
-        skinny_norm_linear_ref,
-    )
-    from mrv2.kernels.small_m_fused import (
-        small_m_linear_add,
-        small_m_norm_gate_up_silu,
-        small_m_norm_linear,
-    )
-
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     x = torch.randn(M, K, generator=g, **kw)
@@ -159,19 +147,6 @@ def check_qwen3_shape_fused_gemms(M, route, atol_between=2e-2):
     is compared with. The first run within bf16 rounding of skinny_fused's torch references,
     and of the second run (``atol_between``: two kernels that sum in another order may move an
     element at a rounding boundary by one bf16 unit)."""
-    import torch
-
-    from mrv2.kernels.skinny_fused import (
-        skinny_linear_add_ref,
-        skinny_norm_gate_up_silu_ref,
-        skinny_norm_linear_ref,
-    )
-    from mrv2.kernels.small_m_fused import (
-        small_m_linear_add,
-        small_m_norm_gate_up_silu,
-        small_m_norm_linear,
-    )
-
     kw = {"device": "cuda", "dtype": torch.bfloat16}
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, 1024, generator=g, **kw)
@@ -191,3 +166,40 @@ def check_qwen3_shape_fused_gemms(M, route, atol_between=2e-2):
     torch.testing.assert_close(r2, skinny_linear_add_ref(act, down, x.clone()), **tol)
     for a, b in zip(outs[True], outs[False], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=atol_between)
+
+
+def check_chain_in_a_cuda_graph(M, route, replays=1):
+    """Two layers of ``qwen3_chain`` at the Qwen3-0.6B shapes, M rows, bf16 on the GPU, through
+    small_m_fused's entry points: with ``route(True)`` (the kernel under test) the graph's
+    replay (``replays`` back to back, the last checked) bitwise the eager chain, and its RMS
+    against the fp32 chain at most 1.25x that of the ``route(False)`` chain (+1e-3): the two
+    round at the same places and sum in another order, so single elements may move by a few
+    bf16 units after two layers of residual adds either way."""
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [qwen3_layer_weights(g, **kw) for _ in range(2)]
+    h0 = torch.randn(M, 1024, generator=g, **kw)
+
+    def chain(h):
+        return qwen3_chain(h, ws, small_m_norm_linear, small_m_linear_add,
+                           small_m_norm_gate_up_silu)
+
+    route(False)
+    baseline = chain(h0.clone())
+    route(True)
+    eager = chain(h0.clone())
+    h = h0.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(h)
+    for _ in range(replays):
+        h.copy_(h0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h, eager)
+    ref = qwen3_chain_ref_fp32(h0, ws)
+
+    def rms(a):
+        return (a.float() - ref).pow(2).mean().sqrt().item()
+    assert rms(eager) <= 1.25 * rms(baseline) + 1e-3, (rms(eager), rms(baseline))
