@@ -12,11 +12,13 @@ attention left out) at the rows given, three runners in one process:
 * ``resident``: the same without PDL (each kernel starts when the one before has ended);
 * ``staged_pdl``: the same entry points routed to ``small_m_staged`` (each program's weights
   copied into shared memory before the wait, up to its MAX_M rows), with
-  ``max_abs_diff_vs_fused``; ``staged``: the same without PDL.
+  ``max_abs_diff_vs_fused``; ``staged``: the same without PDL;
+* ``staged32_pdl`` / ``staged32_walk_pdl``: ``staged_pdl`` up to 32 rows (``MAX_M`` 32), a
+  program a 16-row block (``SPLIT_ROWS``) or one walking both (``--runners`` picks some).
 
 ``--sweep 16,32`` then walks (at those rows) ``small_m_resident.LAUNCH`` (``LAUNCH_OVER_16``
 above 16 rows; with ``--sweep-runner staged_pdl`` small_m_staged's tables, on its chain) per
-op kind (BLOCK_N x warps, and above 16 rows BLOCK_M 16 / 32), the other kinds at their
+op kind (BLOCK_N x warps, and above 16 rows the resident's BLOCK_M 16 / 32), the other kinds at their
 default, on the resident chain. Prints one line per figure; ``--out`` JSON.
 
     python scripts/bench_resident_chain.py --rows 4,8,16,24,32,48,64 --sweep 32 --out r.json
@@ -74,15 +76,28 @@ def _runners() -> dict:
                                                          _fused(True)), True),
             # ... and without PDL: what the copies before the wait buy
             "staged": _resident(chain_bench._forcing(small_m_staged, "ENABLED", True,
-                                                     _fused(False)), True)}
+                                                     _fused(False)), True),
+            # staged up to 32 rows (MAX_M 32): a program a 16-row block (SPLIT_ROWS) ...
+            "staged32_pdl": _resident(_staged_to_32(True), True),
+            # ... or one program walking both blocks
+            "staged32_walk_pdl": _resident(_staged_to_32(False), True)}
+
+
+def _staged_to_32(split_rows: bool):
+    """The staged runner with ``small_m_staged.MAX_M`` 32 and ``SPLIT_ROWS`` all
+    ``split_rows``."""
+    table = dict.fromkeys(small_m_staged.SPLIT_ROWS, split_rows)
+    return chain_bench._forcing(small_m_staged, "ENABLED", True, chain_bench._forcing(
+        small_m_staged, "MAX_M", 32, chain_bench._forcing(small_m_staged, "SPLIT_ROWS", table,
+                                                          _fused(True))))
 
 
 def run(rows: list[int], layers: int, sweep_rows: list[int],
-        sweep_runner: str = "resident_pdl") -> dict:
+        sweep_runner: str = "resident_pdl", only: tuple[str, ...] = ()) -> dict:
     """The chain per runner at each row count, then the sweep at ``sweep_rows`` of
     ``sweep_runner``'s launch tables (``resident_pdl``: small_m_resident's, ``staged_pdl``:
-    small_m_staged's): ``{"chain", "sweep", ...}``."""
-    module = small_m_staged if sweep_runner == "staged_pdl" else small_m_resident
+    small_m_staged's; ``only``: these runners, else all): ``{"chain", "sweep", ...}``."""
+    module = small_m_staged if sweep_runner.startswith("staged") else small_m_resident
     ws = chain_bench._weights(layers, 1, "cuda", torch.bfloat16)
     mb = sum(w.numel() * w.element_size() for lw in ws for w in lw.values()) / 1e6
     out = {"chain": [], "sweep": [], "weight_mb": mb, "layers": layers,
@@ -91,7 +106,7 @@ def run(rows: list[int], layers: int, sweep_rows: list[int],
            "staged_launch_default": dict(small_m_staged.LAUNCH),
            "staged_launch_over_16_default": dict(small_m_staged.LAUNCH_OVER_16),
            "sweep_runner": sweep_runner}
-    runners = _runners()
+    runners = {k: v for k, v in _runners().items() if not only or k in only}
     for m in rows:
         h = torch.randn(m, chain_bench.HIDDEN, device="cuda", dtype=torch.bfloat16)
         attn = torch.randn(m, chain_bench.ATTN, device="cuda", dtype=torch.bfloat16)
@@ -100,7 +115,7 @@ def run(rows: list[int], layers: int, sweep_rows: list[int],
             got[label] = fn(h, attn, ws).float()           # compiles, and the numbers
             us = chain_bench._graph_us(fn, (h, attn, ws), False)
             row = {"M": m, "runner": label, "us_per_step": us}
-            if label in ("resident_pdl", "staged_pdl"):
+            if label != "fused_pdl" and "fused_pdl" in got and label != "cublas":
                 row["max_abs_diff_vs_fused"] = (got[label] - got["fused_pdl"]).abs().max().item()
                 row["max_abs_fused"] = got["fused_pdl"].abs().max().item()
             out["chain"].append(row)
@@ -115,7 +130,8 @@ def run(rows: list[int], layers: int, sweep_rows: list[int],
         table = module.LAUNCH if m <= 16 else module.LAUNCH_OVER_16
         for kind in KINDS:
             for block_n, warps, block_m in [(*bw, bm) for bw in SWEEP
-                                            for bm in (SWEEP_BLOCK_M if m > 16 else (16,))]:
+                                            for bm in (SWEEP_BLOCK_M if m > 16 and module
+                                                       is small_m_resident else (16,))]:
                 saved = table[kind]
                 table[kind] = (block_n, warps, block_m)
                 try:
@@ -141,14 +157,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--sweep", default="", help="rows to sweep LAUNCH per op kind at, e.g. 32")
     ap.add_argument("--sweep-runner", default="resident_pdl",
-                    choices=("resident_pdl", "staged_pdl"), help="whose launch table to sweep")
+                    choices=("resident_pdl", "staged_pdl", "staged32_pdl"),
+                    help="whose launch table to sweep")
+    ap.add_argument("--runners", default="", help="comma-separated runners (default: all)")
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_resident_chain needs a CUDA GPU (Gluon has no interpreter)")
     result = {"benchmark": "resident_chain", **environment(),
               **run([int(r) for r in args.rows.split(",")], args.layers,
-                     [int(r) for r in args.sweep.split(",") if r], args.sweep_runner)}
+                     [int(r) for r in args.sweep.split(",") if r], args.sweep_runner,
+                     tuple(r for r in args.runners.split(",") if r))}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
     return result

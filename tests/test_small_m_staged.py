@@ -44,6 +44,15 @@ def test_fits_only_slices_that_leave_room_on_the_sm():
     assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
 
 
+def test_row_programs_one_a_block_only_when_split():
+    assert small_m_staged.row_programs(32, 16, True) == 2
+    assert small_m_staged.row_programs(17, 16, True) == 2
+    assert small_m_staged.row_programs(16, 16, True) == 1
+    assert small_m_staged.row_programs(3, 16, True) == 1
+    assert small_m_staged.row_programs(0, 16, True) == 1      # an empty grid never launches
+    assert small_m_staged.row_programs(64, 16, False) == 1
+
+
 def test_opt_in_never_in_the_interpreter_and_the_launches_keep_a_piece_of_32_keys():
     on = os.environ.get("MRV2_STAGED_GEMM", "0") == "1" and not TRITON_INTERPRET
     assert small_m_staged.ENABLED is on
@@ -111,11 +120,13 @@ def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatc
     _staged_on(monkeypatch)
     x, nw, w, b = check_ragged_fused_gemms(M, N, K, bias)
     assert small_m_staged.fits(x, K, "norm") == (M <= small_m_staged.MAX_M and K <= 2048)
-    if K <= 2048:       # the kernel itself past MAX_M rows too (several 16-row blocks)
-        out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-        small_m_staged.run(x, nw, 1e-6, w, b, None, out, N, gate_up=False)
-        torch.testing.assert_close(out, skinny_norm_linear_ref(x, nw, 1e-6, w, b),
-                                   rtol=2e-2, atol=2e-2)
+    if K <= 2048:       # the kernel itself past MAX_M rows too (several 16-row blocks),
+        ref = skinny_norm_linear_ref(x, nw, 1e-6, w, b)     # one program or one a block
+        for split_rows in (False, True):
+            out = torch.full((M, N), float("nan"), device=x.device, dtype=x.dtype)
+            small_m_staged.run(x, nw, 1e-6, w, b, None, out, N, gate_up=False,
+                               config={"split_rows": split_rows})
+            torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

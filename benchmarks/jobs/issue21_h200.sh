@@ -83,11 +83,16 @@
 #   W  (session 24) small_m_staged on (MRV2_STAGED_GEMM=1; opt-in until these pass): its GPU
 #      tests and the resident's, the model against transformers, the sync-debug loop, bench
 #      latency, then R at main's default (~6 min). If the tests pass, make it the default.
+#   X  (session 25) W's tests with small_m_staged on (MRV2_STAGED_GEMM=1) and the sync-debug
+#      loop; the 28-layer chain at 16 / 24 / 32 rows: the resident against small_m_staged up to
+#      32 rows with a program a 16-row block (SPLIT_ROWS) or one walking both, a sweep of the
+#      split launches at 32; TPOT over fresh processes (ROUNDS, default 1): resident / staged
+#      to 16 rows / staged to 32 rows at BATCHES (default 1,4,16,24,32), ~9 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-W}
+part=${1:?part A-X}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -271,6 +276,18 @@ W)
   MRV2_STAGED_GEMM=1 py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,24,32 --out "$OUT/bench_latency_staged.json"
   bash "$0" R
   ;;
+X)
+  MRV2_STAGED_GEMM=1 py -m pytest -q tests/test_small_m_staged.py tests/test_small_m_resident.py tests/test_gpu_qwen3.py
+  MRV2_STAGED_GEMM=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  py scripts/bench_resident_chain.py --rows 16,24,32 --out "$OUT/staged32_chain.json" \
+     --runners fused_pdl,resident_pdl,staged_pdl,staged32_pdl,staged32_walk_pdl \
+     --sweep ${SWEEP_ROWS:-32} --sweep-runner staged32_pdl
+  ST=mrv2.kernels.small_m_staged
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_staged32_processes.json" \
+     --variant resident= --variant staged="--set $ST:ENABLED=true" \
+     --variant staged32="--set $ST:ENABLED=true --set $ST:MAX_M=32" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,16,24,32}
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -280,5 +297,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-W)"; exit 2 ;;
+*) echo "unknown part $part (A-X)"; exit 2 ;;
 esac

@@ -141,7 +141,7 @@ def _staged_kernel(
     NORM: gl.constexpr, GATE_UP: gl.constexpr, ADD_RESIDUAL: gl.constexpr,
     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, KCH: gl.constexpr, NCH: gl.constexpr,
     BLOCK_M: gl.constexpr, PDL: gl.constexpr, PER_PHASE: gl.constexpr,
-    MAX_PHASE: gl.constexpr, P: gl.constexpr,
+    MAX_PHASE: gl.constexpr, P: gl.constexpr, SPLIT_ROWS: gl.constexpr = False,
 ):
     S: gl.constexpr = gl.num_warps()
     KS: gl.constexpr = KCH // S                 # a warp's K-slice of a chunk, read P at a time
@@ -185,11 +185,17 @@ def _staged_kernel(
     async_copy.wait_group(0)
     _barrier()                           # every lane's copies visible to every warp
 
-    # 3. BLOCK_M rows at a time. NOTE: x is read in pieces of P keys a warp (from L2, twice
-    # where there is a norm: once for the mean square, once for the product), so that no
-    # thread holds more than a piece of x and of W at a time: registers, not bytes, decide
-    # whether the next kernel's programs fit beside this one's.
-    for m0 in range(0, M, BLOCK_M):
+    # 3. BLOCK_M rows at a time: every row block, or with SPLIT_ROWS only block program_id(1)
+    # (a program a row block; its W slice is then a second read, mostly from L2). NOTE: a
+    # constexpr, not a strided loop over program_id(1): that loop cost o_proj / down 14 more
+    # registers a thread (ptxas, Triton 3.6: 62% of an SM, so qkv no longer fit beside down).
+    # NOTE: x is read in pieces of P keys a warp (from L2, twice where there is a norm: once
+    # for the mean square, once for the product), so that no thread holds more than a piece
+    # of x and of W at a time: registers, not bytes, decide whether the next kernel's
+    # programs fit beside this one's.
+    m_lo = gl.program_id(1) * BLOCK_M if SPLIT_ROWS else 0
+    m_hi = m_lo + BLOCK_M if SPLIT_ROWS else M          # rows past M: masked (row_ok)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         rows = m0 + xm                                                      # [1, BM, 1]
         row_ok = rows < M
         x_ptrs = x_ptr + rows.to(gl.int64) * stride_xm + x_k                # [S, BM, P]
@@ -235,6 +241,13 @@ LAUNCH_OVER_16 = dict(LAUNCH)
 #: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
 #: kernel's (H100, job 24V: 1,020 / 1,108 against 762 / 782 us at 24 / 32 rows).
 MAX_M = 16
+#: Over ``BLOCK_M`` rows, whether each row block gets its own program (grid ``(N / BLOCK_N,
+#: row blocks)``) instead of one program walking them in turn: a row block after the first
+#: cost ~4.6 us a launch on the critical path (two L2 reads of x, three barriers, the sum
+#: through shared memory; H100, job 24V), a second program costs a second read of its W
+#: slice, mostly from L2 (the first program's, at the same time). Only matters with
+#: ``MAX_M`` above 16 (``split_rows`` in ``run``'s config overrides it).
+SPLIT_ROWS = {"norm": True, "add": True, "gate_up": True}
 #: The most weight bytes a program stages (a column block over all of K, x 2 for gate_up):
 #: beyond it the call stays on small_m_resident (K = 4,096 at 32 columns would need 256 KB).
 MAX_SLICE_BYTES = 128 * 1024
@@ -269,16 +282,26 @@ def _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up, c
                   "P": min(PIECE, ks)}
 
 
+def row_programs(M: int, block_m: int, split_rows: bool) -> int:
+    """Programs a column block's rows are shared among: one (it walks every ``block_m``-row
+    block), or with ``split_rows`` one a row block."""
+    return max(1, triton.cdiv(M, block_m)) if split_rows else 1
+
+
 def run(x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up: bool,
         config: dict | None = None):
-    """One fused GEMM (``small_m_resident.run``'s arguments and result)."""
-    block_n, warps, block_m = launch(kind_of(gate_up, residual), x.shape[1], x.shape[0])
-    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m, **(config or {})}
+    """One fused GEMM (``small_m_resident.run``'s arguments and result); ``config`` may
+    override ``block_n``, ``num_warps``, ``block_m`` and ``split_rows``."""
+    kind = kind_of(gate_up, residual)
+    block_n, warps, block_m = launch(kind, x.shape[1], x.shape[0])
+    cfg = {"block_n": block_n, "num_warps": warps, "block_m": block_m,
+           "split_rows": SPLIT_ROWS[kind], **(config or {})}
     use_pdl = pdl.use_pdl(x.device)
     args, kwargs = _kernel_args(x, norm_weight, eps, weight, bias, residual, out, N, gate_up,
                                 cfg)
-    _staged_kernel[(triton.cdiv(N, cfg["block_n"]),)](
-        *args, PDL=use_pdl, **kwargs, **pdl.launch_kwargs(use_pdl))
+    rows = row_programs(x.shape[0], cfg["block_m"], cfg["split_rows"])
+    _staged_kernel[(triton.cdiv(N, cfg["block_n"]), rows)](
+        *args, PDL=use_pdl, SPLIT_ROWS=rows > 1, **kwargs, **pdl.launch_kwargs(use_pdl))
     return out
 
 
