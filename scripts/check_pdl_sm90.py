@@ -121,6 +121,35 @@ def _decode_heads_launch(reqs: int) -> None:
     decode_heads.decode_heads_attention(q, kv, md, 128 ** -0.5, torch.zeros_like(q))
 
 
+def decode_attention_ptx(reqs: int, prefetch_l2: bool, keys: int = 200) -> str:
+    """The PTX of ``decode_rope_attention``'s kernel for a decode step of ``reqs`` requests at
+    ``keys`` keys (PDL on; ``decode_attention.PREFETCH_L2`` forced), compiled for sm_90."""
+    bf = torch.bfloat16
+    caps = {name: _Capture(getattr(mod, name)) for mod, name in KERNELS}
+    saved = [(mod, name, getattr(mod, name)) for mod, name in KERNELS]
+    saved += [(pdl, "use_pdl", pdl.use_pdl), (pdl, "launch_kwargs", pdl.launch_kwargs),
+              (decode_attention, "PREFETCH_L2", decode_attention.PREFETCH_L2)]
+    try:
+        for mod, name in KERNELS:
+            setattr(mod, name, caps[name])
+        pdl.use_pdl = lambda device: True
+        pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
+        decode_attention.PREFETCH_L2 = prefetch_l2
+        md = AttentionMetadata(torch.arange(reqs + 1, dtype=torch.int32),
+                               torch.full((reqs,), keys, dtype=torch.int32),
+                               torch.zeros(reqs, 64, dtype=torch.int32),
+                               torch.arange(reqs, dtype=torch.int64) * 16, 1, keys)
+        decode_attention.decode_rope_attention(
+            torch.randn(reqs, 4096, dtype=bf), torch.full((reqs,), keys - 1),
+            torch.randn(4096, 128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf),
+            1e-6, torch.zeros(2, 64, 16, 8, 128, dtype=bf), md, 128 ** -0.5, 16, 8)
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+    args, kwargs = caps["_decode_rope_attention_kernel"].calls[0]
+    return _compile(caps["_decode_rope_attention_kernel"].fn, args, kwargs).asm["ptx"]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Compile every launch; returns one row per launch."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

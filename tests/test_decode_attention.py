@@ -8,7 +8,11 @@ cache after the call (the new slots written, nothing else touched); bad input; t
 embedded Qwen3 with the path forced on vs off (greedy tokens).
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from mrv2.models import qwen3
 from mrv2.platform import DEVICE, HAS_CUDA, TRITON_INTERPRET
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _decode_batch(ctx_lens, H, Hkv, D, page=16, pad=1, seed=0, dtype=torch.float32):
@@ -235,3 +240,59 @@ def test_gpu_bf16_qwen3_shape_vs_the_two_kernels_and_in_a_graph(ctx, prefetch, m
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[:n], one[:n])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="PTX prefetches need the GPU")
+@pytest.mark.parametrize("ctx", [[0, 100, 1000], [7] * 32, [190] * 24, [1500]])
+def test_gpu_l2_prefetch_changes_no_bit(ctx, monkeypatch):
+    """``PREFETCH_L2`` (every cached row a program reads brought into L2 before the PDL wait)
+    only moves bytes: eager and a CUDA-graph replay bitwise equal to the launch without it,
+    with and without ``PREFETCH``'s first tile in registers; the same cache written."""
+    qkv, positions, kv, md, (qw, kw) = _decode_batch(ctx, 16, 8, 128, seed=len(ctx),
+                                                     dtype=torch.bfloat16)
+    cos_sin = build_cos_sin_cache(128, 2048, 1e6, "cuda")
+    n = len(ctx)
+
+    def run(l2, regs, graph=False):
+        monkeypatch.setattr(decode_attention, "PREFETCH_L2", l2)
+        monkeypatch.setattr(decode_attention, "PREFETCH_L2_MIN_REQS", 1)
+        monkeypatch.setattr(decode_attention, "PREFETCH", regs)
+        cache = kv.clone()
+        out = decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, cache, md,
+                                    128 ** -0.5, 16, 8)
+        if graph:
+            cache = kv.clone()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                decode_rope_attention(qkv, positions, cos_sin, qw, kw, 1e-6, cache, md,
+                                      128 ** -0.5, 16, 8, out=out)
+            out.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+        return out[:n], cache.nan_to_num(9.0)
+
+    for regs in (False, True):
+        base_out, base_cache = run(False, regs)
+        for graph in (False, True):
+            out, cache = run(True, regs, graph)
+            assert torch.equal(out, base_out) and torch.equal(cache, base_cache)
+
+
+def test_sm90_ptx_prefetches_the_keys_into_l2_before_the_wait():
+    """Compiled for sm_90 (no GPU; a process of its own, where Triton compiles instead of
+    interpreting), a 24-request launch with ``PREFETCH_L2``: its ``prefetch.global.L2`` all
+    come before ``griddepcontrol.wait``; without it, none."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); import check_pdl_sm90 as c; "
+            "print(json.dumps([c.decode_attention_ptx(24, l2) for l2 in (True, False)]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for l2, ptx in zip((True, False), json.loads(proc.stdout.splitlines()[-1])):
+        lines = ptx.splitlines()
+        pf = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
+        wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        assert len(wait) == 1
+        assert (len(pf) >= 2 and max(pf) < wait[0]) if l2 else not pf

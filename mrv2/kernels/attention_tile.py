@@ -4,7 +4,8 @@
 several KV heads a program) both walk a request's keys a ``BLOCK_N`` tile at a time through
 the block table and fold each tile into a running (max, sum, weighted values) in fp32: this
 is that step, once. ``split_key_range`` is the keys one split of a request reads, for
-``paged_attention``'s and ``decode_attention``'s kernels alike. See
+``paged_attention``'s and ``decode_attention``'s kernels alike; ``prefetch_keys_l2`` brings
+a key range's cached rows into L2 (``prefetch.global.L2``, PTX only) before a PDL wait. See
 ``mrv2/kernels/attention.py`` for the layout of their arguments.
 """
 
@@ -82,3 +83,32 @@ def split_key_range(split, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constex
 
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: a plain body.
 split_key_range_body = interpreter_body(split_key_range)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    # One ``prefetch.global.L2`` a pointer: the line comes into L2, no register waits for it.
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_keys_l2(first, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, stride_ckv,
+                      stride_cb, stride_co, stride_ch, stride_bt, PAGE_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, LINE: tl.constexpr, LINES: tl.constexpr):
+    # Every cached key and value row of keys [first, kv_hi) into L2, LINES lines of LINE
+    # elements a row (128 B each). Issued before the PDL wait: no kernel of this step writes
+    # these rows. Keys past kv_hi take the address of page 0 (a real line: no fault).
+    line = tl.arange(0, LINES) * LINE                                   # [L]
+    for start in range(first, kv_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)                               # [BN]
+        n_ok = n < kv_hi
+        page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0,
+                       cache_modifier=".cg")
+        slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
+        rows = kv_cache_ptr + slot_off[:, None] + line[None, :]         # [BN, L] K rows' lines
+        _prefetch_l2(rows)
+        _prefetch_l2(rows + stride_ckv)                                 # the V rows'
+
+
+prefetch_keys_l2_body = interpreter_body(prefetch_keys_l2)

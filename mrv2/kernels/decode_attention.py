@@ -20,11 +20,10 @@ path: the normed and rotated q/k rounded to the activation dtype, k and v stored
 cache's, P rounded to V's dtype before P @ V. The new token's score and P V term are fp32
 sums of the same rounded values where the unfused path uses ``tl.dot``: not bitwise equal.
 
-On by default since job AB (session 7, H200, Qwen3-0.6B shape, ``bench latency``, one job);
-``MRV2_FUSED_ROPE_ATTENTION=0`` turns it off; only for decode steps of at most ``MAX_TOKENS`` =
-32 tokens (at batch 256 it lost, job D). TPOT off / on at batch 1, 4, 8, 16, 32: 0.894 /
-0.902, 1.311 / 1.290, 1.293 / 1.241, 1.412 / 1.324, 1.502 / 1.425 ms. It removes 28 launches a
-decode step of Qwen3-0.6B (211 -> 183 at batch 1). Serve's warm-up
+On by default since job AB (session 7, H200, ``bench latency``: TPOT off / on at batch 1, 4,
+8, 16, 32: 0.894 / 0.902, 1.311 / 1.290, 1.293 / 1.241, 1.412 / 1.324, 1.502 / 1.425 ms; 28
+launches a step fewer); ``MRV2_FUSED_ROPE_ATTENTION=0`` turns it off; only for decode steps
+of at most ``MAX_TOKENS`` = 32 tokens (at batch 256 it lost, job D). Serve's warm-up
 (``Runner.precompile_attention``) also compiles its decode launches
 (``attention_warmup.precompile_decode_rope``).
 """
@@ -38,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import attention, pdl
-from mrv2.kernels.attention_tile import _LOG2E, split_key_range_body
+from mrv2.kernels.attention_tile import _LOG2E, prefetch_keys_l2_body, split_key_range_body
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
@@ -51,33 +50,38 @@ ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
 
 
 #: Fold the split merge into the attention kernel (the last split of a token's KV head merges
-#: all of them; no ``_merge_splits_kernel`` launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``:
-#: its GPU tests pass (session 9, job B: the file's 27 tests take 79 s; session 8's timeout
-#: was that 100 s limit, plus a test that looked its counters up under the wrong device
-#: key), but it is slower: TPOT at batch 4 1.030 -> 1.217 ms, batch 1 unchanged (1.679 ->
-#: 1.642 with the persistent tail on), ``bench latency`` in one job. The merge's atomics and
-#: the last split's extra pass cost more than the launch they save. NOTE: merging in the
-#: consumer lost too (commit 7845af1, reverted: each o_proj program merged the splits of
-#: the x it reads, 32 KB of fp32 parts a program at 4 splits): TPOT b1 0.90 -> 1.00 ms,
-#: b2 1.02 -> 1.18 (job 14B, ``bench_latency_merge-in-o-proj-*_job14B.json``).
+#: them all; no merge launch). OFF unless ``MRV2_FOLD_SPLIT_MERGE=1``: its GPU tests pass
+#: (session 9, job B) but it is slower (TPOT b4 1.030 -> 1.217 ms, b1 unchanged, one job):
+#: the atomics and the last split's extra pass cost more than the launch. NOTE: merging in
+#: the consumer lost too (7845af1, reverted: each o_proj program merged the parts of its x):
+#: TPOT b1 0.90 -> 1.00 ms, b2 1.02 -> 1.18 (``bench_latency_merge-in-o-proj-*_job14B.json``).
 FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 
 #: Load each program's first cached key tile BEFORE the PDL wait, for steps of at most
 #: ``PREFETCH_MAX_REQS`` requests (``MRV2_ATTENTION_PREFETCH=0`` turns it off): the lesson of
 #: ``skinny_stream`` (a program's bytes in flight while the kernel before it ends) applied
 #: to attention, whose cached keys no kernel of the current step writes. At batch 1 and
-#: short contexts each split is one tile, so all its keys are in flight. Measured in the
-#: model (H200, Qwen3-0.6B shape, ``bench latency`` at max_model_len 256, 4 fresh processes
-#: a variant taking turns, ``scripts/bench_processes.py``, job 16A): TPOT medians off / on
-#: b1 0.836 / 0.717 ms, b2 0.920 / 0.881, b8 1.096 / 1.062 (faster in every round at all
-#: three), b32 1.405 / 1.444 (slower in every round: two tiles a program, the first held in
-#: registers through the wait). The bound, in the same kind of run (2 rounds of 3 variants,
-#: job 18F, ``bench_latency_prefetch_reqs_processes_*_job18F-*.json``): up to 8 / 16 / 32
-#: requests, TPOT b16 1.196 / 1.127 / 1.124 ms (16 faster in both rounds), b24 1.355 / 1.346
-#: / 1.378, b32 1.406 / 1.420 / 1.454: 16. (Under CUDA graphs a step takes the graph of the
-#: next captured size, 1, 2, 4, 8, 16, 24, ...: 9-16 requests all run the 16 graph.)
+#: short contexts each split is one tile, so all its keys are in flight. H200, ``bench
+#: latency`` at max_model_len 256, fresh processes taking turns (``scripts/bench_processes.py``,
+#: job 16A): TPOT off / on b1 0.836 / 0.717 ms, b2 0.920 / 0.881, b8 1.096 / 1.062, b32 1.405 /
+#: 1.444 (two tiles a program, the first held in registers through the wait). The bound (job
+#: 18F): up to 8 / 16 / 32 requests, TPOT b16 1.196 / 1.127 / 1.124 ms, b24 1.355 / 1.346 /
+#: 1.378, b32 1.406 / 1.420 / 1.454: 16 (9-16 requests all run the 16 graph).
 PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", True)
 PREFETCH_MAX_REQS = 16
+
+#: With ``MRV2_ATTENTION_PREFETCH_L2=1`` (OPT-IN until measured), steps of at least
+#: ``PREFETCH_L2_MIN_REQS`` requests bring every cached row a program reads into L2 before the
+#: wait (``attention_tile.prefetch_keys_l2``: no register holds them, where ``PREFETCH``'s
+#: lost at 17-32); a layer's keys (~25 MB at 32 x 192) fit in L2. PTX only.
+PREFETCH_L2: bool = env_switch("MRV2_ATTENTION_PREFETCH_L2", False)
+PREFETCH_L2_MIN_REQS = 17
+
+
+def prefetch_l2(num_reqs: int) -> bool:
+    """Whether a launch of ``num_reqs`` requests prefetches its keys into L2 (host ints)."""
+    return PREFETCH_L2 and not TRITON_INTERPRET and num_reqs >= PREFETCH_L2_MIN_REQS
+
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
@@ -242,6 +246,7 @@ def _decode_rope_attention_kernel(
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     FOLD_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False, PART_TILES: tl.constexpr = 0,
+    PREFETCH_L2: tl.constexpr = False, LINE: tl.constexpr = 64, LINES: tl.constexpr = 2,
 ):
     # Program = (request, KV head x split of the keys). Request b decodes token t.
     b = tl.program_id(0)
@@ -250,6 +255,9 @@ def _decode_rope_attention_kernel(
     dt = qkv_ptr.dtype.element_ty
     c = tl.arange(0, BLOCK_HALF)                                        # [BH] half a head
     c_ok = c < HALF
+    if PREFETCH or PREFETCH_L2:
+        t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
+            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
     if PREFETCH:
         # The step's metadata and the first cached key tile BEFORE the wait. None of it comes
         # from the kernel right before this one (qkv): the metadata from the input prep at
@@ -258,20 +266,25 @@ def _decode_rope_attention_kernel(
         # has completed once this one runs (the one before passed its own wait first, or
         # was launched without PDL), so L2 holds their writes. NOTE: ".cg" loads, through
         # L2 only: an SM's L1 could still hold a line of the previous step's metadata.
-        t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
-            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
         # NOTE: a padding row (no token) masks every key.
         k1_0, k2_0, v1_0, v2_0, n_ok_0 = _load_key_tile_body(
             lo, tl.where(q_len > 0, kv_hi, 0), b, kv_cache_ptr, block_table_ptr, kh, c, c_ok,
             stride_ckv, stride_cb, stride_co, stride_ch, stride_bt, HALF, PAGE_SIZE, BLOCK_N,
             ".cg")
+    if PREFETCH_L2:
+        # The rest of the range's cached rows into L2 (all of it without PREFETCH): bytes in
+        # flight while the qkv GEMM ends, no register holding them through the wait.
+        prefetch_keys_l2_body(
+            lo + BLOCK_N if PREFETCH else lo, tl.where(q_len > 0, kv_hi, 0), b, kv_cache_ptr,
+            block_table_ptr, kh, stride_ckv, stride_cb, stride_co, stride_ch, stride_bt,
+            PAGE_SIZE, BLOCK_N, LINE, LINES)
     # NOTE: with PDL the kernel before wrote qkv (and, without PREFETCH, may have written any
     # input): wait, then let the next kernel launch (mrv2/kernels/pdl.py); every program,
     # before any early return.
     if PDL and GDC_CALLS:
         gdc_wait()
         gdc_launch_dependents()
-    if not PREFETCH:
+    if not (PREFETCH or PREFETCH_L2):
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
             query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "", PART_TILES)
     if q_len <= 0:  # graph padding: no token
@@ -479,7 +492,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         BLOCK_N=cfg["block_n"], DOT_PRECISION="ieee" if fp32 else "tf32", PDL=use_pdl,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
-        PART_TILES=cfg["part_tiles"],
+        PART_TILES=cfg["part_tiles"], PREFETCH_L2=prefetch_l2(num_reqs),
+        LINE=128 // kv_cache.element_size(), LINES=triton.cdiv(d * kv_cache.element_size(), 128),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
         attention.merge_splits(part_acc, part_ml, md, out, use_pdl)
