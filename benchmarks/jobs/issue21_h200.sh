@@ -86,9 +86,10 @@
 #   X  (session 25) W's tests with small_m_staged on (MRV2_STAGED_GEMM=1) and the sync-debug
 #      loop; the 28-layer chain at 16 / 24 / 32 rows: the resident against small_m_staged up to
 #      32 rows with a program a 16-row block (SPLIT_ROWS) or one walking both, a sweep of the
-#      split launches at 32; TPOT over fresh processes (ROUNDS, default 1): resident / staged
+#      split launches at SWEEP_ROWS (default none); TPOT over fresh processes (ROUNDS, default 1): resident / staged
 #      to 16 rows / staged to 32 rows / and attention's keys prefetched into L2 before the wait
-#      at 17+ requests (decode_attention.PREFETCH_L2) at BATCHES (default 4,16,24,32), ~9 min
+#      at 17+ requests (decode_attention.PREFETCH_L2) / and attention in 1 split at 17-32 (no
+#      merge kernel) at BATCHES (default 4,16,24,32), ~9 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -284,12 +285,14 @@ X)
   MRV2_STAGED_GEMM=1 MRV2_ATTENTION_PREFETCH_L2=1 py -m pytest -q tests/test_gpu_async.py -k sync_debug
   py scripts/bench_resident_chain.py --rows 16,24,32 --out "$OUT/staged32_chain.json" \
      --runners fused_pdl,resident_pdl,staged_pdl,staged32_pdl,staged32_walk_pdl \
-     --sweep ${SWEEP_ROWS:-32} --sweep-runner staged32_pdl
+     --sweep "${SWEEP_ROWS:-}" --sweep-runner staged32_pdl
+  ONE="--decode-launch '{\"lo\":17,\"hi\":32,\"num_splits\":1,\"block_n\":64}'"
   ST=mrv2.kernels.small_m_staged
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_staged32_processes.json" \
      --variant resident= --variant staged="--set $ST:ENABLED=true" \
      --variant staged32="--set $ST:ENABLED=true --set $ST:MAX_M=32" \
      --variant staged32l2="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true" \
+     --variant staged32l2one="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true $ONE" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,16,24,32}
   ;;
 K)
