@@ -237,7 +237,10 @@ PIECE = 32
 #: each other). NOTE: ptxas gives ~90 registers a thread at 16 warps whatever the tile:
 #: fewer warps, not smaller tiles, bring a program under half an SM.
 LAUNCH = {"norm": (32, 8, 16), "add": (16, 16, 16), "gate_up": (32, 4, 16)}
-LAUNCH_OVER_16 = dict(LAUNCH)
+#: Over 16 rows (with ``SPLIT_ROWS``, a program a 16-row block: twice the programs) gate_up
+#: takes 16 columns a program: (32, 4)'s 96 x 2 programs of 148 KB hold one an SM, two waves on
+#: 132 SMs; (16, 4)'s 192 x 2 of 76 KB (174 registers a thread) hold three, one wave.
+LAUNCH_OVER_16 = {**LAUNCH, "gate_up": (16, 4, 16)}
 #: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
 #: kernel's (H100, job 24V: 1,020 / 1,108 against 762 / 782 us at 24 / 32 rows).
 MAX_M = 16
