@@ -88,7 +88,8 @@
 #      32 rows with a program a 16-row block (SPLIT_ROWS) or one walking both, a sweep of the
 #      split launches at SWEEP_ROWS (default none); TPOT over fresh processes (ROUNDS, default 1): resident / staged
 #      to 16 rows / staged to 32 rows / and attention's keys prefetched into L2 before the wait
-#      at 17+ requests (decode_attention.PREFETCH_L2) / and attention in 1 split at 17-32 (no
+#      at 17+ requests (decode_attention.PREFETCH_L2) / at every batch (the tiles after
+#      PREFETCH's first up to 16) / and attention in 1 split at 17-32 (no
 #      merge kernel) at BATCHES (default 4,16,24,32), ~9 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
@@ -292,6 +293,7 @@ X)
      --variant resident= --variant staged="--set $ST:ENABLED=true" \
      --variant staged32="--set $ST:ENABLED=true --set $ST:MAX_M=32" \
      --variant staged32l2="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true" \
+     --variant staged32l2all="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true --set $DA:PREFETCH_L2_MIN_REQS=1" \
      --variant staged32l2one="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true $ONE" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,16,24,32}
   ;;
