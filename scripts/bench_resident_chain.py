@@ -52,7 +52,7 @@ SWEEP_BLOCK_M = (16, 32)
 
 def _resident(run, on: bool):
     """``run`` with ``small_m_resident.ENABLED`` forced on or off, and small_m_staged off
-    (``MRV2_STAGED_GEMM=1`` would route up to 16 rows there; the staged runners turn it on
+    (on by default it takes up to 16 rows; the staged runners turn it on
     inside)."""
     return chain_bench._forcing(small_m_resident, "ENABLED", on,
                                 chain_bench._forcing(small_m_staged, "ENABLED", False, run))

@@ -66,7 +66,7 @@ def _timed(fn, resident: bool) -> dict:
     """``fn`` with ``small_m_resident.ENABLED`` forced to ``resident``: median us eager (it
     compiles first), then per launch of ``LAUNCHES`` in one graph, then one launch in the
     NVTX range ``profile`` (ncu's filter)."""
-    # NOTE: small_m_staged (MRV2_STAGED_GEMM=1: up to 16 rows) would take the resident's calls.
+    # NOTE: small_m_staged (on by default: up to 16 rows) would take the resident's calls.
     run = chain_bench._forcing(small_m_resident, "ENABLED", resident,
                                chain_bench._forcing(small_m_staged, "ENABLED", False, fn))
 

@@ -53,8 +53,8 @@ def test_row_programs_one_a_block_only_when_split():
     assert small_m_staged.row_programs(64, 16, False) == 1
 
 
-def test_opt_in_never_in_the_interpreter_and_the_launches_keep_a_piece_of_32_keys():
-    on = os.environ.get("MRV2_STAGED_GEMM", "0") == "1" and not TRITON_INTERPRET
+def test_on_by_default_never_in_the_interpreter_and_the_launches_keep_a_piece_of_32_keys():
+    on = os.environ.get("MRV2_STAGED_GEMM", "1") == "1" and not TRITON_INTERPRET
     assert small_m_staged.ENABLED is on
     assert small_m_staged.launch("norm", 1024) == small_m_staged.LAUNCH["norm"]
     assert small_m_staged.launch("add", 64)[1] == 2   # 64 keys: 2 warps of 32

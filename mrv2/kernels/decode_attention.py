@@ -62,18 +62,18 @@ FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 #: ``skinny_stream`` (a program's bytes in flight while the kernel before it ends) applied
 #: to attention, whose cached keys no kernel of the current step writes. At batch 1 and
 #: short contexts each split is one tile, so all its keys are in flight. H200, ``bench
-#: latency`` at max_model_len 256, fresh processes taking turns (``scripts/bench_processes.py``,
-#: job 16A): TPOT off / on b1 0.836 / 0.717 ms, b2 0.920 / 0.881, b8 1.096 / 1.062, b32 1.405 /
-#: 1.444 (two tiles a program, the first held in registers through the wait). The bound (job
-#: 18F): up to 8 / 16 / 32 requests, TPOT b16 1.196 / 1.127 / 1.124 ms, b24 1.355 / 1.346 /
-#: 1.378, b32 1.406 / 1.420 / 1.454: 16 (9-16 requests all run the 16 graph).
+#: latency``, fresh processes taking turns (job 16A): TPOT off / on b1 0.836 / 0.717 ms, b2
+#: 0.920 / 0.881, b8 1.096 / 1.062, b32 1.405 / 1.444 (two tiles a program, the first held in
+#: registers through the wait). The bound (job 18F): up to 8 / 16 / 32 requests, TPOT b16
+#: 1.196 / 1.127 / 1.124 ms, b24 1.355 / 1.346 / 1.378, b32 1.406 / 1.420 / 1.454: 16.
 PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", True)
 PREFETCH_MAX_REQS = 16
 
-#: With ``MRV2_ATTENTION_PREFETCH_L2=1`` (OPT-IN until measured), steps of at least
-#: ``PREFETCH_L2_MIN_REQS`` requests bring every cached row a program reads into L2 before the
-#: wait (``attention_tile.prefetch_keys_l2``: no register holds them, where ``PREFETCH``'s
-#: lost at 17-32); a layer's keys (~25 MB at 32 x 192) fit in L2. PTX only.
+#: With ``MRV2_ATTENTION_PREFETCH_L2=1`` (opt-in), steps of at least ``PREFETCH_L2_MIN_REQS``
+#: requests bring every cached row a program reads into L2 before the wait (``attention_tile.
+#: prefetch_keys_l2``; no register holds them, where ``PREFETCH``'s lost at 17-32). It did not
+#: pay (H100, job 25X: TPOT b24 / b32 1.378 / 1.504 -> 1.398 / 1.501 ms; b4 0.903 -> 0.991 from
+#: 1 request). PTX only.
 PREFETCH_L2: bool = env_switch("MRV2_ATTENTION_PREFETCH_L2", False)
 PREFETCH_L2_MIN_REQS = 17
 

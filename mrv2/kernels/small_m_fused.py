@@ -277,7 +277,7 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
     if M == 0 or N == 0:
         return out
     if small_m_resident.ENABLED and config is None and small_m_resident.fits(x, weight, K):
-        # the weights staged in shared memory instead of registers (MRV2_STAGED_GEMM=1)
+        # the weights staged in shared memory instead of registers (MRV2_STAGED_GEMM=0: off)
         staged = (small_m_staged.ENABLED
                   and small_m_staged.fits(x, K, small_m_staged.kind_of(gate_up, residual)))
         resident = small_m_staged if staged else small_m_resident

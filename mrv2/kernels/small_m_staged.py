@@ -26,11 +26,16 @@ resident's 568 / 584 / 610, and 792 / 794 / 824 without PDL: the copies before t
 ~250 us where the resident's loads bought ~170. In the model (``bench decode``, 192 keys, job
 24Y) the decode step's GPU time went 0.967 -> 0.903 ms at batch 4, 1.014 -> 0.958 at 8,
 1.131 -> 1.087 at 16, and TPOT over fresh processes agreed where a process was not host-bound
-(b4 0.955 / 0.967 -> 0.899 / 0.899 / 0.926 ms). Opt-in until the model's GPU tests run with it
-(``ENABLED``). Over 16 rows it lost (first launches, job 24V: 1,020 / 1,108 us against 762 /
-782 at 24 / 32 rows): every 16-row block reads x twice, in pieces, so the resident kernel
-keeps 17-32 rows (``MAX_M``). Taking 32 rows a pass (``BLOCK_M`` 32) would read x once, but
-ptxas then gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6).
+(b4 0.955 / 0.967 -> 0.899 / 0.899 / 0.926 ms). On by default since session 25 (job 25X, H100:
+the model's GPU tests against transformers, the kernel tests and the sync-debug loop pass with
+it; TPOT over fresh processes, 2 rounds, job 25R: b4 0.957 -> 0.898 ms, b8 1.010 -> 0.949, b16
+1.137 -> 1.098, b32 unchanged 1.419, which keeps the resident kernel). Over 16 rows it lost
+(first launches, job 24V: 1,020 / 1,108 us against 762 / 782 at 24 / 32 rows): every 16-row
+block reads x twice, in pieces, so the resident kernel keeps 17-32 rows (``MAX_M``). A program
+a 16-row block (``SPLIT_ROWS``) lost too (job 25X: the chain 810 / 839 us at 24 / 32 rows, one
+program walking both 834 / 863, the resident 754 / 772; TPOT b24 / b32 1.378 / 1.504 against
+1.334 / 1.416 ms). Taking 32 rows a pass (``BLOCK_M`` 32) would read x once, but ptxas then
+gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6).
 """
 
 from __future__ import annotations
@@ -55,12 +60,9 @@ from mrv2.kernels.small_m_resident import (
 )
 from mrv2.platform import TRITON_INTERPRET, env_switch
 
-#: Route ``small_m_resident``'s calls of up to ``MAX_M`` rows here where they ``fit``: OPT-IN,
-#: ``MRV2_STAGED_GEMM=1``. The H100 measured it faster (jobs 24W-Y: the decode step's GPU time
-#: -4 to -7% at batch 4-16) and its kernel tests passed there, but the model's GPU tests against
-#: transformers (``tests/test_gpu_qwen3.py``) have not run with it on: no GPU was lent for the
-#: rest of session 24. Turn it on by default once they pass. Never under the interpreter.
-ENABLED: bool = env_switch("MRV2_STAGED_GEMM", False) and not TRITON_INTERPRET
+#: Route ``small_m_resident``'s calls of up to ``MAX_M`` rows here where they ``fit``: on by
+#: default on the GPU (``MRV2_STAGED_GEMM=0`` turns it off; never under the interpreter).
+ENABLED: bool = env_switch("MRV2_STAGED_GEMM", True) and not TRITON_INTERPRET
 
 
 # Global -> shared cp.async (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load).
@@ -248,8 +250,9 @@ MAX_M = 16
 #: row blocks)``) instead of one program walking them in turn: a row block after the first
 #: cost ~4.6 us a launch on the critical path (two L2 reads of x, three barriers, the sum
 #: through shared memory; H100, job 24V), a second program costs a second read of its W
-#: slice, mostly from L2 (the first program's, at the same time). Only matters with
-#: ``MAX_M`` above 16 (``split_rows`` in ``run``'s config overrides it).
+#: slice, mostly from L2. Only matters past ``MAX_M`` = 16 rows (the kernel called directly,
+#: or ``MAX_M`` raised), where both lost to the resident kernel (job 25X, above);
+#: ``split_rows`` in ``run``'s config overrides it.
 SPLIT_ROWS = {"norm": True, "add": True, "gate_up": True}
 #: The most weight bytes a program stages (a column block over all of K, x 2 for gate_up):
 #: beyond it the call stays on small_m_resident (K = 4,096 at 32 columns would need 256 KB).
