@@ -91,11 +91,14 @@
 #      at 17+ requests (decode_attention.PREFETCH_L2) / at every batch (the tiles after
 #      PREFETCH's first up to 16) / and attention in 1 split at 17-32 (no
 #      merge kernel) at BATCHES (default 4,16,24,32), ~9 min
+#   Y  (session 25) the issue's figures and the book's in the order they are owed, each its own
+#      JSON (a call cut short keeps the ones before): TPOT b1-32, host-bound v2,v1, standard,
+#      then C's decode step times, attention and sampler (~7 min on an H200)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-X}
+part=${1:?part A-Y}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -297,6 +300,14 @@ X)
      --variant staged32l2one="--set $ST:ENABLED=true --set $ST:MAX_M=32 --set $DA:PREFETCH_L2=true $ONE" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-4,16,24,32}
   ;;
+Y)
+  py -m mrv2 bench latency --runner v2 --batch-sizes 1,4,8,16,32 --out "$OUT/bench_latency.json"
+  py -m mrv2 bench throughput --workload host-bound --runner v2,v1 --out "$OUT/bench_host-bound.json"
+  py -m mrv2 bench throughput --workload standard --runner v2 --out "$OUT/bench_standard.json"
+  py -m mrv2 bench decode --compare-eager --out "$OUT/decode_steps.json"
+  py scripts/bench_attention.py --out "$OUT/attention_decode.json"
+  py scripts/bench_sampler.py --out "$OUT/sampler.json"
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -306,5 +317,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-X)"; exit 2 ;;
+*) echo "unknown part $part (A-Y)"; exit 2 ;;
 esac
