@@ -12,7 +12,8 @@ This runs ``rounds`` rounds; in each, every variant once, as ``scripts/bench_wit
      "ratios": {name: {key: median / median of the first variant}}, ...}
 
 Figures: ``bench latency`` gives ``<runner>/b<batch>/tpot_ms`` and ``.../ttft_ms``; ``bench
-throughput`` gives ``<runner>/output_tok_s``. Usage (GPU)::
+throughput`` gives ``<runner>/output_tok_s``; ``bench decode`` gives
+``decode/b<batch>/c<context>/gpu_ms`` and ``.../kernels``. Usage (GPU)::
 
     python scripts/bench_processes.py --rounds 4 --out benchmarks/results/X.json \\
         --variant default= \\
@@ -45,8 +46,13 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 
 
 def figures(result: dict) -> dict[str, float]:
-    """The comparable figures of one bench JSON (latency or throughput)."""
+    """The comparable figures of one bench JSON (latency, throughput or ``bench decode``'s
+    profile: GPU ms and kernels a step per batch and context)."""
     out = {}
+    for pt in (result.get("profile") or {}).get("points", []):
+        key = f"decode/b{pt['batch']}/c{pt['context']}"
+        out[f"{key}/gpu_ms"] = pt["gpu_ms_per_step"]
+        out[f"{key}/kernels"] = pt["kernels_per_step"]
     for runner, r in result.get("runners", {}).items():
         if "error" in r:
             continue

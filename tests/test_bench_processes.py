@@ -29,6 +29,10 @@ def test_figures_of_latency_and_throughput_results():
     assert bench_processes.figures(lat) == {"v2/b1/tpot_ms": 0.7, "v2/b1/ttft_ms": 2.0}
     thr = {"runners": {"v2": {"output_tok_s": 9.0}, "v1": {"output_tok_s": 6.0}}}
     assert bench_processes.figures(thr) == {"v2/output_tok_s": 9.0, "v1/output_tok_s": 6.0}
+    dec = {"profile": {"points": [{"batch": 64, "context": 192, "gpu_ms_per_step": 1.5,
+                                   "kernels_per_step": 294.0}]}}
+    assert bench_processes.figures(dec) == {"decode/b64/c192/gpu_ms": 1.5,
+                                            "decode/b64/c192/kernels": 294.0}
 
 
 def test_medians_and_ratios_to_the_first_variant():

@@ -94,11 +94,16 @@
 #   Y  (session 25) the issue's figures and the book's in the order they are owed, each its own
 #      JSON (a call cut short keeps the ones before): TPOT b1-32, host-bound v2,v1, standard,
 #      then C's decode step times, attention and sampler (~7 min on an H200)
+#   Z  (session 25, for later) fewer kernels a layer at 33-64 requests (b64 runs 294 kernels a step,
+#      10.5 a layer: cuBLAS, norms, RoPE, SiLU, split-K reduce): the resident GEMMs
+#      (small_m_resident.MODEL_MAX_M) and the fused RoPE + attention (decode_attention.MAX_TOKENS)
+#      up to 64 rows, each and both, on bench decode b48 / b64 and the standard workload (fresh
+#      processes, ROUNDS default 1), ~8 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-Y}
+part=${1:?part A-Z}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -308,6 +313,14 @@ Y)
   py scripts/bench_attention.py --out "$OUT/attention_decode.json"
   py scripts/bench_sampler.py --out "$OUT/sampler.json"
   ;;
+Z)
+  G64="--set $RS:MODEL_MAX_M=64"; A64="--set $DA:MAX_TOKENS=64"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_64rows_processes.json" \
+     --variant default= --variant gemm64="$G64" --variant attn64="$A64" --variant both64="$G64 $A64" \
+     -- bench decode --batch-sizes 48,64 --contexts 192 --max-model-len 256
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_standard_64rows_processes.json" \
+     --variant default= --variant both64="$G64 $A64" -- bench throughput --workload standard --runner v2
+  ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \
      tests/test_decode_attention.py tests/test_gpu_async.py::test_fixed_key_partitions_without_a_sync_or_a_change
@@ -317,5 +330,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Y)"; exit 2 ;;
+*) echo "unknown part $part (A-Z)"; exit 2 ;;
 esac
