@@ -35,12 +35,16 @@ def test_swizzle_spans_128_bytes_within_a_row():
     assert small_m_staged.swizzle(8) == (8, 1)
 
 
-def test_fits_only_slices_that_leave_room_on_the_sm():
+def test_fits_only_slices_that_leave_room_on_the_sm(monkeypatch):
     x = torch.empty(16, 1024, dtype=torch.bfloat16)
     assert small_m_staged.fits(x, 1024, "gate_up") and small_m_staged.fits(x, 3072, "add")
     assert not small_m_staged.fits(x, 4096, "norm")                  # 32 x 4096 x 2 B: 256 KB
     assert not small_m_staged.fits(torch.empty(17, 1024, dtype=torch.bfloat16), 1024, "norm")
     assert small_m_staged.kind_of(True, None) == "gate_up"
+    x32 = torch.empty(32, 1024, dtype=torch.bfloat16)
+    assert not small_m_staged.fits(x32, 1024, "norm")
+    monkeypatch.setattr(small_m_staged, "KIND_MAX_M", {"norm": 32})   # a per-kind cap wins
+    assert small_m_staged.fits(x32, 1024, "norm") and not small_m_staged.fits(x32, 1024, "gate_up")
     assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
 
 

@@ -98,7 +98,9 @@
 #      10.5 a layer: cuBLAS, norms, RoPE, SiLU, split-K reduce): the resident GEMMs
 #      (small_m_resident.MODEL_MAX_M) and the fused RoPE + attention (decode_attention.MAX_TOKENS)
 #      up to 64 rows, each and both, on bench decode b48 / b64 and the standard workload (fresh
-#      processes, ROUNDS default 1), ~8 min
+#      processes, ROUNDS default 1); then TPOT b24 / b32 with qkv staged at 17-32 rows
+#      (small_m_staged.KIND_MAX_M: attention's programs fit beside it), with and without
+#      attention's first-tile prefetch up to 32 requests, ~10 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -320,6 +322,13 @@ Z)
      -- bench decode --batch-sizes 48,64 --contexts 192 --max-model-len 256
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_standard_64rows_processes.json" \
      --variant default= --variant both64="$G64 $A64" -- bench throughput --workload standard --runner v2
+  # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
+  # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
+  ST=mrv2.kernels.small_m_staged
+  QKV="--set '$ST:KIND_MAX_M={\"norm\":32}' --set '$ST:SPLIT_ROWS={\"norm\":false,\"add\":true,\"gate_up\":true}'"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_qkv_staged32_processes.json" \
+     --variant default= --variant qkv32="$QKV" --variant qkv32pf="$QKV --set $DA:PREFETCH_MAX_REQS=32" \
+     -- bench latency --runner v2 --batch-sizes 24,32
   ;;
 K)
   py -m pytest -q tests/test_kernels_attention.py -k "partition or bf16 or cuda" \

@@ -246,6 +246,10 @@ LAUNCH_OVER_16 = {**LAUNCH, "gate_up": (16, 4, 16)}
 #: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
 #: kernel's (H100, job 24V: 1,020 / 1,108 against 762 / 782 us at 24 / 32 rows).
 MAX_M = 16
+#: Per op kind, a row cap that replaces ``MAX_M`` (none set). The idea to measure: qkv staged at
+#: 17-32 rows too (one program walking both blocks, half an SM's registers) so that attention's
+#: programs fit beside it before the wait, where the resident qkv takes every register.
+KIND_MAX_M: dict[str, int] = {}
 #: Over ``BLOCK_M`` rows, whether each row block gets its own program (grid ``(N / BLOCK_N,
 #: row blocks)``) instead of one program walking them in turn: a row block after the first
 #: cost ~4.6 us a launch on the critical path (two L2 reads of x, three barriers, the sum
@@ -269,7 +273,7 @@ def fits(x, K: int, kind: str) -> bool:
     """
     block_n = launch(kind, K, x.shape[0])[0]
     slice_bytes = block_n * K * x.element_size() * (2 if kind == "gate_up" else 1)
-    return x.shape[0] <= MAX_M and slice_bytes <= MAX_SLICE_BYTES
+    return x.shape[0] <= KIND_MAX_M.get(kind, MAX_M) and slice_bytes <= MAX_SLICE_BYTES
 
 
 def launch(kind: str, K: int, M: int = 16) -> tuple[int, int, int]:
