@@ -98,14 +98,15 @@
 #      10.5 a layer: cuBLAS, norms, RoPE, SiLU, split-K reduce): the resident GEMMs
 #      (small_m_resident.MODEL_MAX_M) and the fused RoPE + attention (decode_attention.MAX_TOKENS)
 #      up to 64 rows, each and both, on bench decode b48 / b64 and the standard workload (fresh
-#      processes, ROUNDS default 1); then TPOT b24 / b32 with qkv staged at 17-32 rows
-#      (small_m_staged.KIND_MAX_M: attention's programs fit beside it), with and without
-#      attention's first-tile prefetch up to 32 requests, ~10 min
+#      processes, ROUNDS default 1), ~7 min
+#   QKV (session 25, for later) TPOT b24 / b32 with qkv staged at 17-32 rows (small_m_staged.
+#      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
+#      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
 set -uo pipefail
-part=${1:?part A-Z}
+part=${1:?part A-Z or QKV}
 export PYTHONPATH=$PWD MRV2_SHARED_DATA=$PWD/.carry/data PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SM=mrv2.kernels.small_m_fused
@@ -322,6 +323,8 @@ Z)
      -- bench decode --batch-sizes 48,64 --contexts 192 --max-model-len 256
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_standard_64rows_processes.json" \
      --variant default= --variant both64="$G64 $A64" -- bench throughput --workload standard --runner v2
+  ;;
+QKV)
   # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
   # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
   ST=mrv2.kernels.small_m_staged
@@ -339,5 +342,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV)"; exit 2 ;;
 esac
