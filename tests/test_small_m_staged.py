@@ -48,6 +48,18 @@ def test_fits_only_slices_that_leave_room_on_the_sm(monkeypatch):
     assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
 
 
+def test_takes_only_hopper_gpus(monkeypatch):
+    x = torch.empty(4, 64)
+    monkeypatch.setattr(small_m_staged, "ENABLED", True)
+    assert not small_m_staged.takes(x)                               # a CPU tensor: never
+    if HAS_CUDA:
+        xg = x.cuda()
+        major = torch.cuda.get_device_capability(xg.device)[0]
+        assert small_m_staged.takes(xg) == (major >= 9)
+        monkeypatch.setattr(small_m_staged, "ENABLED", False)
+        assert not small_m_staged.takes(xg)
+
+
 def test_row_programs_one_a_block_only_when_split():
     assert small_m_staged.row_programs(32, 16, True) == 2
     assert small_m_staged.row_programs(17, 16, True) == 2

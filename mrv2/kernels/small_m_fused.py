@@ -278,7 +278,7 @@ def _run(name, x, norm_weight, eps, weight, bias, residual, out, N, *, gate_up, 
         return out
     if small_m_resident.ENABLED and config is None and small_m_resident.fits(x, weight, K):
         # the weights staged in shared memory instead of registers (MRV2_STAGED_GEMM=0: off)
-        staged = (small_m_staged.ENABLED
+        staged = (small_m_staged.takes(x)
                   and small_m_staged.fits(x, K, small_m_staged.kind_of(gate_up, residual)))
         resident = small_m_staged if staged else small_m_resident
         return resident.run(x, norm_weight, eps, weight, bias, residual, out, N,
