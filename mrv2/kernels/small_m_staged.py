@@ -40,8 +40,6 @@ gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -68,16 +66,11 @@ from mrv2.platform import TRITON_INTERPRET, env_switch
 ENABLED: bool = env_switch("MRV2_STAGED_GEMM", True) and not TRITON_INTERPRET
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def takes(x: torch.Tensor) -> bool:
     """Whether calls on ``x``'s rows may come here (on, and a Hopper GPU: graph-safe). NOTE:
     sm_90+ only, where it was measured and a program's up to 148 KB of shared memory fit (an
     sm_86 / sm_89 GPU gives a program at most ~100 KB)."""
-    return ENABLED and x.is_cuda and _hopper(x.device.index)
+    return ENABLED and pdl.sm90_or_newer(x.device)
 
 
 # Global -> shared cp.async (Triton 3.6 calls it async_copy_global_to_shared, 3.9 async_load).
