@@ -17,6 +17,7 @@ PTX and cubin to ``--out`` so two runs (another tree, another Triton) can be dif
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -121,33 +122,45 @@ def _decode_heads_launch(reqs: int) -> None:
     decode_heads.decode_heads_attention(q, kv, md, 128 ** -0.5, torch.zeros_like(q))
 
 
+@contextlib.contextmanager
+def _capturing(pdl_on: bool):
+    """Every kernel of ``KERNELS`` replaced by a ``_Capture`` (yielded, by name) and PDL forced
+    on or off for CPU tensors inside the block; all put back after it."""
+    caps = {name: _Capture(getattr(mod, name)) for mod, name in KERNELS}
+    saved = [(mod, name, getattr(mod, name)) for mod, name in KERNELS]
+    saved += [(pdl, "use_pdl", pdl.use_pdl), (pdl, "launch_kwargs", pdl.launch_kwargs)]
+    try:
+        for mod, name in KERNELS:
+            setattr(mod, name, caps[name])
+        pdl.use_pdl = lambda device: pdl_on
+        pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
+        yield caps
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 def decode_attention_ptx(reqs: int, prefetch_l2: bool, keys: int = 200) -> str:
     """The PTX of ``decode_rope_attention``'s kernel for a decode step of ``reqs`` requests at
     ``keys`` keys (PDL on; ``decode_attention.PREFETCH_L2`` forced), compiled for sm_90."""
     bf = torch.bfloat16
-    caps = {name: _Capture(getattr(mod, name)) for mod, name in KERNELS}
-    saved = [(mod, name, getattr(mod, name)) for mod, name in KERNELS]
-    saved += [(pdl, "use_pdl", pdl.use_pdl), (pdl, "launch_kwargs", pdl.launch_kwargs),
-              (decode_attention, "PREFETCH_L2", decode_attention.PREFETCH_L2)]
+    md = AttentionMetadata(torch.arange(reqs + 1, dtype=torch.int32),
+                           torch.full((reqs,), keys, dtype=torch.int32),
+                           torch.zeros(reqs, 64, dtype=torch.int32),
+                           torch.arange(reqs, dtype=torch.int64) * 16, 1, keys)
+    before = decode_attention.PREFETCH_L2
     try:
-        for mod, name in KERNELS:
-            setattr(mod, name, caps[name])
-        pdl.use_pdl = lambda device: True
-        pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
         decode_attention.PREFETCH_L2 = prefetch_l2
-        md = AttentionMetadata(torch.arange(reqs + 1, dtype=torch.int32),
-                               torch.full((reqs,), keys, dtype=torch.int32),
-                               torch.zeros(reqs, 64, dtype=torch.int32),
-                               torch.arange(reqs, dtype=torch.int64) * 16, 1, keys)
-        decode_attention.decode_rope_attention(
-            torch.randn(reqs, 4096, dtype=bf), torch.full((reqs,), keys - 1),
-            torch.randn(4096, 128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf),
-            1e-6, torch.zeros(2, 64, 16, 8, 128, dtype=bf), md, 128 ** -0.5, 16, 8)
+        with _capturing(True) as caps:
+            decode_attention.decode_rope_attention(
+                torch.randn(reqs, 4096, dtype=bf), torch.full((reqs,), keys - 1),
+                torch.randn(4096, 128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf),
+                1e-6, torch.zeros(2, 64, 16, 8, 128, dtype=bf), md, 128 ** -0.5, 16, 8)
     finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
-    args, kwargs = caps["_decode_rope_attention_kernel"].calls[0]
-    return _compile(caps["_decode_rope_attention_kernel"].fn, args, kwargs).asm["ptx"]
+        decode_attention.PREFETCH_L2 = before
+    cap = caps["_decode_rope_attention_kernel"]
+    args, kwargs = cap.calls[0]
+    return _compile(cap.fn, args, kwargs).asm["ptx"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -158,19 +171,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pdl.use_pdl = lambda device: args.pdl                  # CPU tensors: force the choice
-    pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
     attention._NUM_SMS = 132                               # the H200's picker
-    caps = {}
-    for mod, name in KERNELS:
-        caps[name] = _Capture(getattr(mod, name))
-        setattr(mod, name, caps[name])
     torch.manual_seed(0)
-    for rows in (1, 2):
-        _decode_launches(rows)
-    for rows in (4, 32):
-        _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
-    _decode_heads_launch(64)
+    with _capturing(args.pdl) as caps:                     # CPU tensors: force the choice
+        for rows in (1, 2):
+            _decode_launches(rows)
+        for rows in (4, 32):
+            _gemm_launches(rows, small_m_fused.SMALL_M_OPS)
+        _decode_heads_launch(64)
     ptxas = triton.knobs.nvidia.ptxas.path                 # the ptxas this Triton compiles with
     rows = []
     for name, cap in caps.items():
