@@ -102,6 +102,10 @@
 #   QKV (session 25, for later) TPOT b24 / b32 with qkv staged at 17-32 rows (small_m_staged.
 #      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
 #      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
+#   EM (session 26) attention's step metadata (request, lengths, the token's angles and slot)
+#      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
+#      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
+#      64 / 256 (96 keys) and TPOT b1-32, on / off over fresh processes (ROUNDS, default 1), ~6 min
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -324,6 +328,19 @@ Z)
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_standard_64rows_processes.json" \
      --variant default= --variant both64="$G64 $A64" -- bench throughput --workload standard --runner v2
   ;;
+EM)
+  py -m pytest -q tests/test_decode_attention.py tests/test_kernels_attention.py tests/test_pdl.py
+  py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  OFF="--set $AT:EARLY_META=false"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_early_meta_processes.json" \
+     --variant on= --variant off="$OFF" \
+     -- bench decode --batch-sizes 1,4,16,32 --contexts 192 --max-model-len 256
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_hostbound_early_meta_processes.json" \
+     --variant on= --variant off="$OFF" \
+     -- bench decode --batch-sizes 64,256 --contexts 96 --max-model-len 256
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_early_meta_processes.json" \
+     --variant on= --variant off="$OFF" -- bench latency --runner v2 --batch-sizes 1,4,16,24,32
+  ;;
 QKV)
   # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
   # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
@@ -342,5 +359,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z, QKV)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV, EM)"; exit 2 ;;
 esac

@@ -34,6 +34,7 @@ from mrv2.kernels.attention_tile import (  # noqa: F401 (book)
     _LOG2E,
     _attend_tile,
     _attend_tile_body,
+    request_meta_body,
     split_key_range_body,
 )
 from mrv2.kernels.pdl import GDC_CALLS
@@ -96,26 +97,27 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
     req_order_ptr=None, HAS_ORDER: tl.constexpr = False,                      # optional
-    PART_TILES: tl.constexpr = 0,
+    PART_TILES: tl.constexpr = 0, EARLY_META: tl.constexpr = False,
 ):
-    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
+    # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
+    # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
+    # pays per operation, folds several into one block-diagonal problem (see below).
+    # The request (req_order's slot with longest_first: long ones start first) and its
+    # lengths: step metadata, before the wait with EARLY_META (no kernel of the step writes it).
+    if EARLY_META:
+        b, q_start, q_len, seq_len = request_meta_body(
+            req_order_ptr, query_start_loc_ptr, seq_lens_ptr, HAS_ORDER, ".cg")
+    # NOTE: with PDL the kernel before may have written q (and the cache): wait, then let the
     # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
     if PDL and GDC_CALLS:
         gdc_wait()
         gdc_launch_dependents()
-    # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
-    # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
-    # pays per operation, folds several into one block-diagonal problem (see below).
-    if HAS_ORDER:  # the request of this program slot (longest_first: long ones start first)
-        b = tl.load(req_order_ptr + tl.program_id(0))
-    else:
-        b = tl.program_id(0)
+    if not EARLY_META:
+        b, q_start, q_len, seq_len = request_meta_body(
+            req_order_ptr, query_start_loc_ptr, seq_lens_ptr, HAS_ORDER, "")
     q_block = tl.program_id(1)
     kh0 = tl.program_id(2) // NUM_SPLITS * KV_FOLD
     split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
     if q_block * BLOCK_Q >= q_len:  # padding rows and short queries stop here
         return
     ctx_len = seq_len - q_len
@@ -190,18 +192,24 @@ def _merge_splits_kernel(
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY_META: tl.constexpr = False,
 ):
-    # NOTE: with PDL every input may come from the kernel before: wait first, then let the
-    # next kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
-    if PDL and GDC_CALLS:
-        gdc_wait()
-        gdc_launch_dependents()
     # Program = (request, query token of the request, head).
     b = tl.program_id(0)
     qi = tl.program_id(1)
     h = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + b)
-    if qi >= tl.load(query_start_loc_ptr + b + 1) - q_start:
+    if EARLY_META:  # step metadata: before the wait (EARLY_META)
+        q_start = tl.load(query_start_loc_ptr + b, cache_modifier=".cg")
+        q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=".cg") - q_start
+    # NOTE: with PDL the parts come from the kernel before: wait first, then let the next
+    # kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
+    if PDL and GDC_CALLS:
+        gdc_wait()
+        gdc_launch_dependents()
+    if not EARLY_META:
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if qi >= q_len:
         return
     tok = q_start + qi
 
@@ -337,6 +345,14 @@ def override_launch(cfg: dict, overrides: dict) -> dict:
 #: mrv2.kernels.attention:DECODE_ONE_LOOP=true``). The interpreter always runs one loop
 #: (``_ONE_LOOP``); the tests run the GPU's two-loop form interpreted too.
 DECODE_ONE_LOOP: bool = env_switch("MRV2_DECODE_ONE_LOOP", False)
+
+#: Read the step's metadata (request order, ``query_start_loc``, ``seq_lens``; in
+#: ``decode_attention`` also the token's position, RoPE angles and cache slot) BEFORE the PDL
+#: wait, here, in the split merge and in ``decode_attention`` (``MRV2_ATTENTION_EARLY_META=0``
+#: turns it off). No kernel of the current step writes it: the input prep did, at least two
+#: launches back, so it has completed (pdl.py: waits chain) and the ``.cg`` loads find it in
+#: L2. After the wait only the loads that need the kernel before remain (q, the parts).
+EARLY_META: bool = env_switch("MRV2_ATTENTION_EARLY_META", True)
 #: The interpreter's single masked loop for every program (it pays per operation).
 _ONE_LOOP: bool = TRITON_INTERPRET
 #: ``longest_first`` orders decode batches of at least this many requests (up to 32 the model
@@ -407,7 +423,7 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, md: AttentionMet
         *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PDL=use_pdl, **pdl.launch_kwargs(use_pdl),
+        PDL=use_pdl, EARLY_META=EARLY_META, **pdl.launch_kwargs(use_pdl),
     )
 
 
@@ -475,7 +491,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d, PDL=use_pdl, req_order_ptr=md.req_order,
-        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"],
+        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"], EARLY_META=EARLY_META,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:

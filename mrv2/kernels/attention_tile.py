@@ -4,7 +4,8 @@
 several KV heads a program) both walk a request's keys a ``BLOCK_N`` tile at a time through
 the block table and fold each tile into a running (max, sum, weighted values) in fp32: this
 is that step, once. ``split_key_range`` is the keys one split of a request reads, for
-``paged_attention``'s and ``decode_attention``'s kernels alike; ``prefetch_keys_l2`` brings
+``paged_attention``'s and ``decode_attention``'s kernels alike; ``request_meta`` a program's
+request and its lengths (before the PDL wait with ``attention.EARLY_META``); ``prefetch_keys_l2`` brings
 a key range's cached rows into L2 (``prefetch.global.L2``, PTX only) before a PDL wait. See
 ``mrv2/kernels/attention.py`` for the layout of their arguments.
 """
@@ -83,6 +84,24 @@ def split_key_range(split, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constex
 
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: a plain body.
 split_key_range_body = interpreter_body(split_key_range)
+
+
+@triton.jit
+def request_meta(req_order_ptr, query_start_loc_ptr, seq_lens_ptr, HAS_ORDER: tl.constexpr,
+                 CACHE: tl.constexpr):
+    # This program's request b (req_order's slot with HAS_ORDER, else program_id(0)), its
+    # first new token, query length and seq_len. CACHE=".cg": through L2 only, for loads
+    # issued before the PDL wait (attention.EARLY_META).
+    if HAS_ORDER:
+        b = tl.load(req_order_ptr + tl.program_id(0), cache_modifier=CACHE)
+    else:
+        b = tl.program_id(0)
+    q_start = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
+    q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - q_start
+    return b, q_start, q_len, tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
+
+
+request_meta_body = interpreter_body(request_meta)
 
 
 @triton.jit

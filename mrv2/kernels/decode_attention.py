@@ -37,12 +37,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import attention, pdl
-from mrv2.kernels.attention_tile import _LOG2E, prefetch_keys_l2_body, split_key_range_body
+from mrv2.kernels.attention_tile import _LOG2E, prefetch_keys_l2_body
+from mrv2.kernels.decode_attention_tile import (
+    _attend_key_tile_body,
+    _load_key_tile_body,
+    _new_token_kv_body,
+    _norm_rope_body,
+    _request_range_body,
+    _token_meta_body,
+)
 from mrv2.kernels.kv_cache import write_kv_cache
 from mrv2.kernels.layernorm import row_sum
 from mrv2.kernels.pdl import GDC_CALLS
 from mrv2.kernels.rotary import qk_norm_rope_ref
-from mrv2.platform import TRITON_INTERPRET, env_switch, interpreter_body
+from mrv2.platform import TRITON_INTERPRET, env_switch
 
 #: On a GPU unless ``MRV2_FUSED_ROPE_ATTENTION=0``; never under the interpreter (tests set it).
 ENABLED: bool = (not TRITON_INTERPRET and torch.cuda.is_available()
@@ -158,81 +166,6 @@ def decode_rope_attention_ref(qkv, positions, cos_sin_cache, q_weight, k_weight,
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
-               USE_NORM: tl.constexpr, DT: tl.constexpr):
-    # [R, BH] fp32 halves of R heads -> normed (rounded to DT, as the unfused norm writes
-    # them) and rotated halves, rounded to DT (as qk_norm_rope stores them).
-    if USE_NORM:
-        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
-        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(DT).to(tl.float32)
-        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(DT).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
-
-
-@triton.jit
-def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CACHE: tl.constexpr, PART_TILES: tl.constexpr):
-    # Request b's token t (q_len 0: graph padding), its seq_len, this split's keys [lo, hi)
-    # and kv_hi: the cached ones below the new token (key seq_len - 1), which the kernel
-    # adds from registers. CACHE=".cg": through L2 only (loads before the PDL wait).
-    t = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
-    q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - t
-    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
-    lo, hi = split_key_range_body(split, seq_len, NUM_SPLITS, BLOCK_N, PART_TILES)
-    return t, q_len, seq_len, lo, hi, tl.minimum(hi, seq_len - 1)
-
-
-@triton.jit
-def _load_key_tile(start, kv_hi, b, kv_cache_ptr, block_table_ptr, kh, c, c_ok, stride_ckv,
-                   stride_cb, stride_co, stride_ch, stride_bt, HALF: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
-    # The BLOCK_N cached keys and values from `start` (those below kv_hi; the rest load 0)
-    # as the halves RoPE pairs: K^T [BH, BN] twice, V [BN, BH] twice, and the key mask.
-    # CACHE=".cg": through L2 only (a load issued before the PDL wait: see the kernel).
-    # NOTE: no default for CACHE: Triton 3.6 on the GPU fails to compile a call that leaves
-    # a string constexpr to its default ("'str' object has no attribute 'type'"); the
-    # interpreter accepts it (tests/test_triton_traps.py checks every kernel module).
-    n = start + tl.arange(0, BLOCK_N)                                   # [BN]
-    n_ok = n < kv_hi
-    page = tl.load(block_table_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0,
-                   cache_modifier=CACHE)
-    slot_off = page.to(tl.int64) * stride_cb + (n % PAGE_SIZE) * stride_co + kh * stride_ch
-    k_mask = c_ok[:, None] & n_ok[None, :]                              # [BH, BN]
-    k_ptrs = kv_cache_ptr + slot_off[None, :] + c[:, None]              # [BH, BN]: K^T halves
-    v_mask = n_ok[:, None] & c_ok[None, :]                              # [BN, BH]
-    v_ptrs = kv_cache_ptr + stride_ckv + slot_off[:, None] + c[None, :]
-    return (tl.load(k_ptrs, mask=k_mask, other=0.0, cache_modifier=CACHE),
-            tl.load(k_ptrs + HALF, mask=k_mask, other=0.0, cache_modifier=CACHE),
-            tl.load(v_ptrs, mask=v_mask, other=0.0, cache_modifier=CACHE),
-            tl.load(v_ptrs + HALF, mask=v_mask, other=0.0, cache_modifier=CACHE), n_ok)
-
-
-@triton.jit
-def _attend_key_tile(acc1, acc2, m_i, l_i, q1, q2, k1, k2, v1, v2, n_ok, qk_scale,
-                     DOT_PRECISION: tl.constexpr):
-    # One loaded key tile into the online softmax (masked keys score -inf).
-    s = tl.dot(q1, k1, input_precision=DOT_PRECISION)
-    s = (s + tl.dot(q2, k2, input_precision=DOT_PRECISION)) * qk_scale  # [BM, BN], log2 units
-    s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))                               # [BM]
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                     # [BM, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc1 = acc1 * alpha[:, None] + tl.dot(p.to(v1.dtype), v1, input_precision=DOT_PRECISION)
-    acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=DOT_PRECISION)
-    return acc1, acc2, m_new, l_i
-
-
-# NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
-_norm_rope_body = interpreter_body(_norm_rope)
-_request_range_body = interpreter_body(_request_range)
-_load_key_tile_body = interpreter_body(_load_key_tile)
-_attend_key_tile_body = interpreter_body(_attend_key_tile)
-
-
-@triton.jit
 def _decode_rope_attention_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,  # inputs
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -247,6 +180,7 @@ def _decode_rope_attention_kernel(
     FOLD_MERGE: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
     PREFETCH: tl.constexpr = False, PART_TILES: tl.constexpr = 0,
     PREFETCH_L2: tl.constexpr = False, LINE: tl.constexpr = 64, LINES: tl.constexpr = 2,
+    EARLY_META: tl.constexpr = False,
 ):
     # Program = (request, KV head x split of the keys). Request b decodes token t.
     b = tl.program_id(0)
@@ -255,9 +189,12 @@ def _decode_rope_attention_kernel(
     dt = qkv_ptr.dtype.element_ty
     c = tl.arange(0, BLOCK_HALF)                                        # [BH] half a head
     c_ok = c < HALF
-    if PREFETCH or PREFETCH_L2:
+    if PREFETCH or PREFETCH_L2 or EARLY_META:
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
             query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
+    if EARLY_META:  # the token's angles and slot too (attention.EARLY_META): step metadata
+        cos, sin, slot = _token_meta_body(positions_ptr, cos_sin_ptr, slot_mapping_ptr, t,
+                                          q_len > 0, stride_cp, c, c_ok, HALF, ".cg")
     if PREFETCH:
         # The step's metadata and the first cached key tile BEFORE the wait. None of it comes
         # from the kernel right before this one (qkv): the metadata from the input prep at
@@ -284,15 +221,16 @@ def _decode_rope_attention_kernel(
     if PDL and GDC_CALLS:
         gdc_wait()
         gdc_launch_dependents()
-    if not (PREFETCH or PREFETCH_L2):
+    if not (PREFETCH or PREFETCH_L2 or EARLY_META):
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
             query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "", PART_TILES)
     if q_len <= 0:  # graph padding: no token
         return
     new_pos = seq_len - 1                               # the new token's key index
-    cs = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cp + c       # its RoPE angles
-    cos = tl.load(cs, mask=c_ok, other=0.0)[None, :]                    # [1, BH]
-    sin = tl.load(cs + HALF, mask=c_ok, other=0.0)[None, :]
+    has_new = (new_pos >= lo) & (new_pos < hi)          # this program adds it (step 3)
+    if not EARLY_META:
+        cos, sin, slot = _token_meta_body(positions_ptr, cos_sin_ptr, slot_mapping_ptr, t,
+                                          q_len > 0, stride_cp, c, c_ok, HALF, "")
 
     # 1. The group's q heads (rows), normed and rotated, as the two halves RoPE pairs.
     m = tl.arange(0, BLOCK_M)                                           # [BM]
@@ -305,6 +243,10 @@ def _decode_rope_attention_kernel(
                              q_w_ptr, c, c_ok, cos, sin, eps, HALF, USE_NORM, dt)
     kv_dt = kv_cache_ptr.dtype.element_ty
     q1, q2 = q1.to(kv_dt), q2.to(kv_dt)                                 # tl.dot: one dtype
+    if EARLY_META:  # the new token's raw k and v in flight beside q's, not after the loop
+        # NOTE: k_1 .. v_2, not k1 .. v2: the key loop below reuses those names
+        k_1, k_2, v_1, v_2 = _new_token_kv_body(qkv_ptr, t, kh, stride_xt, c, has_new,
+                                                NUM_Q_HEADS, NUM_KV_HEADS, HALF)
 
     # 2. The cached keys of this split's range, below the new token.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -327,17 +269,13 @@ def _decode_rope_attention_kernel(
 
     # 3. The new token, in the program whose range holds it: k-norm + RoPE, the cache
     # write, and its score and value straight from registers.
-    if (new_pos >= lo) & (new_pos < hi):
-        k_ptrs = qkv_ptr + t * stride_xt + (NUM_Q_HEADS + kh) * (2 * HALF) + c[None, :]
-        k1, k2 = _norm_rope_body(tl.load(k_ptrs, mask=c_ok[None, :], other=0.0).to(tl.float32),
-                                 tl.load(k_ptrs + HALF, mask=c_ok[None, :],
-                                         other=0.0).to(tl.float32),
-                                 k_w_ptr, c, c_ok, cos, sin, eps, HALF, USE_NORM, dt)
-        v_ptrs = k_ptrs + NUM_KV_HEADS * (2 * HALF)
-        v1 = tl.load(v_ptrs, mask=c_ok[None, :], other=0.0)           # [1, BH]
-        v2 = tl.load(v_ptrs + HALF, mask=c_ok[None, :], other=0.0)
-        k1, k2, v1, v2 = k1.to(kv_dt), k2.to(kv_dt), v1.to(kv_dt), v2.to(kv_dt)
-        slot = tl.load(slot_mapping_ptr + t)
+    if has_new:
+        if not EARLY_META:
+            k_1, k_2, v_1, v_2 = _new_token_kv_body(qkv_ptr, t, kh, stride_xt, c, has_new,
+                                                    NUM_Q_HEADS, NUM_KV_HEADS, HALF)
+        k1, k2 = _norm_rope_body(k_1.to(tl.float32), k_2.to(tl.float32), k_w_ptr, c, c_ok,
+                                 cos, sin, eps, HALF, USE_NORM, dt)
+        k1, k2, v1, v2 = k1.to(kv_dt), k2.to(kv_dt), v_1.to(kv_dt), v_2.to(kv_dt)  # [1, BH]
         if slot >= 0:
             dst = (kv_cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_co
                    + kh * stride_ch + c[None, :])
@@ -493,6 +431,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
         PART_TILES=cfg["part_tiles"], PREFETCH_L2=prefetch_l2(num_reqs),
+        EARLY_META=attention.EARLY_META,
         LINE=128 // kv_cache.element_size(), LINES=triton.cdiv(d * kv_cache.element_size(), 128),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
