@@ -20,7 +20,7 @@ import torch
 import mrv2  # noqa: F401  (turns on the interpreter without CUDA)
 from mrv2 import LLM, SamplingParams
 from mrv2.forward_context import AttentionMetadata
-from mrv2.kernels import decode_attention
+from mrv2.kernels import attention, decode_attention
 from mrv2.kernels.decode_attention import decode_rope_attention, decode_rope_attention_ref
 from mrv2.kernels.rotary import build_cos_sin_cache
 from mrv2.models import qwen3
@@ -77,11 +77,15 @@ CTX = [0, 5, 15, 16, 40, 100]   # a first token, in-page, a page's end, across p
                                  # 4 x 32 keys; short requests leave parts empty
                                  {"num_splits": 7, "block_n": 16, "part_tiles": 1},
                                  {"num_splits": 4, "block_n": 16, "part_tiles": 2}])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg, prefetch, monkeypatch):
-    """``prefetch``: the first cached key tile loaded before the PDL wait (``PREFETCH``):
-    the same numerics, and the NaN slots show that it reads no key it should not."""
+@pytest.mark.parametrize("prefetch,early_meta", [(False, True), (True, True), (False, False)])
+def test_matches_the_two_kernels_it_replaces(H, Hkv, D, use_norm, cfg, prefetch, early_meta,
+                                             monkeypatch):
+    """``prefetch``: the first cached key tile loaded before the PDL wait (``PREFETCH``);
+    ``early_meta``: the step's metadata too, and the new token's k / v beside q
+    (``attention.EARLY_META``, the default), or after the wait: the same numerics, and the
+    NaN slots show that it reads no key it should not."""
     monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)
+    monkeypatch.setattr(attention, "EARLY_META", early_meta)
     qkv, positions, kv, md, (qw, kw) = _decode_batch(CTX, H, Hkv, D, seed=H + D)
     cos_sin = build_cos_sin_cache(D, 256, 10000.0, DEVICE)
     weights = (qw, kw) if use_norm else (None, None)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mrv2.forward_context import AttentionMetadata
+from mrv2.kernels import attention
 from mrv2.kernels.attention import paged_attention, paged_attention_ref
 from mrv2.platform import DEVICE
 
@@ -102,9 +103,12 @@ def test_empty_batch():
     assert paged_attention_ref(q, kv_cache, md, 0.25).shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("early_meta", [True, False])
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-def test_split_kv(num_splits):
-    # Flash-decoding path (chosen on the GPU for small batches); more splits than pages too.
+def test_split_kv(num_splits, early_meta, monkeypatch):
+    # Flash-decoding path (chosen on the GPU for small batches); more splits than pages too;
+    # the metadata loaded before the PDL wait (EARLY_META, the default) or after it.
+    monkeypatch.setattr(attention, "EARLY_META", early_meta)
     reqs = [(40, 1), (0, 1), (70, 3), (5, 2)]
     q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=1, num_pad_tokens=2)
     expected = paged_attention_ref(q, kv_cache, md, 0.25)
@@ -187,10 +191,13 @@ def test_request_order_is_longest_first_stable_and_puts_padding_last():
     assert order.tolist() == [1, 4, 3, 0, 5, 2, 6]  # ties (900, 0) keep batch order
 
 
+@pytest.mark.parametrize("early_meta", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_a_request_order_changes_no_result(num_splits):
+def test_a_request_order_changes_no_result(num_splits, early_meta, monkeypatch):
     # Each program reads its request from req_order: any permutation (longest first, or a
-    # random one) must give the batch-order result exactly, padding rows included.
+    # random one) must give the batch-order result exactly, padding rows included; with the
+    # order and lengths read before the PDL wait (EARLY_META) or after it.
+    monkeypatch.setattr(attention, "EARLY_META", early_meta)
     reqs = [(40, 1), (0, 1), (300, 1), (5, 1), (77, 1)]
     q, kv_cache, md = make_batch(reqs, 4, 2, 16, num_pad_reqs=2, num_pad_tokens=1, seed=3)
     plain = paged_attention(q, kv_cache, md, 0.25, num_splits=num_splits)
