@@ -106,6 +106,7 @@
 #      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
 #      64 / 256 (96 keys) and TPOT b1-32, on / off over fresh processes (ROUNDS, default 1), ~6 min
+#   EM2 (session 26) EM's TPOT A/B over ROUNDS (default 3) rounds at BATCHES (default 1,4,24,32)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -341,6 +342,12 @@ EM)
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_early_meta_processes.json" \
      --variant on= --variant off="$OFF" -- bench latency --runner v2 --batch-sizes 1,4,16,24,32
   ;;
+EM2)
+  # EM's latency A/B again over more processes (one round's b24 / b32 said off, b1 said on)
+  py scripts/bench_processes.py --rounds ${ROUNDS:-3} --out "$OUT/bench_latency_early_meta_rounds_processes.json" \
+     --variant on= --variant off="--set $AT:EARLY_META=false" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,24,32}
+  ;;
 QKV)
   # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
   # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
@@ -359,5 +366,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z, QKV, EM)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV, EM, EM2)"; exit 2 ;;
 esac
