@@ -107,6 +107,8 @@
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
 #      64 / 256 (96 keys) and TPOT b1-32, on / off over fresh processes (ROUNDS, default 1), ~6 min
 #   EM2 (session 26) EM's TPOT A/B over ROUNDS (default 3) rounds at BATCHES (default 1,4,24,32)
+#   EM3 (session 26) TPOT b16-32: EARLY_META on / up to 16 requests in decode_attention / off,
+#      and QKV's winner (qkv staged to 32 rows + attention prefetch to 32) with it on / to 16
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -348,6 +350,17 @@ EM2)
      --variant on= --variant off="--set $AT:EARLY_META=false" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-1,4,24,32}
   ;;
+EM3)
+  # which of EARLY_META's pieces costs at 17-32 requests, and with qkv staged to 32 rows and
+  # attention's first tile prefetched (QKV's winner) instead
+  ST=mrv2.kernels.small_m_staged
+  QKV="--set '$ST:KIND_MAX_M={\"norm\":32}' --set '$ST:SPLIT_ROWS={\"norm\":false,\"add\":true,\"gate_up\":true}' --set $DA:PREFETCH_MAX_REQS=32"
+  M16="--set $DA:EARLY_META_MAX_REQS=16"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-2} --out "$OUT/bench_latency_early_meta_17_32_processes.json" \
+     --variant on= --variant meta16="$M16" --variant off="--set $AT:EARLY_META=false" \
+     --variant qkv32pf="$QKV" --variant qkv32pf_meta16="$QKV $M16" \
+     -- bench latency --runner v2 --batch-sizes ${BATCHES:-16,24,32}
+  ;;
 QKV)
   # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
   # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
@@ -366,5 +379,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z, QKV, EM, EM2)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV, EM, EM2, EM3)"; exit 2 ;;
 esac

@@ -91,6 +91,10 @@ def prefetch_l2(num_reqs: int) -> bool:
     return PREFETCH_L2 and not TRITON_INTERPRET and num_reqs >= PREFETCH_L2_MIN_REQS
 
 
+#: ``attention.EARLY_META`` here only up to this many requests (the merge and paged attention
+#: take it at every batch): at 24 / 32 it cost TPOT 2.4 / 3.9% (H100, job 26EM2, 3 rounds).
+EARLY_META_MAX_REQS = 256
+
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
 #: while it won at 4-32 (job AB): larger batches keep the two kernels.
@@ -431,7 +435,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
         PART_TILES=cfg["part_tiles"], PREFETCH_L2=prefetch_l2(num_reqs),
-        EARLY_META=attention.EARLY_META,
+        EARLY_META=attention.EARLY_META and num_reqs <= EARLY_META_MAX_REQS,
         LINE=128 // kv_cache.element_size(), LINES=triton.cdiv(d * kv_cache.element_size(), 128),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:
