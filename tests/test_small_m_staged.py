@@ -39,12 +39,15 @@ def test_fits_only_slices_that_leave_room_on_the_sm(monkeypatch):
     x = torch.empty(16, 1024, dtype=torch.bfloat16)
     assert small_m_staged.fits(x, 1024, "gate_up") and small_m_staged.fits(x, 3072, "add")
     assert not small_m_staged.fits(x, 4096, "norm")                  # 32 x 4096 x 2 B: 256 KB
-    assert not small_m_staged.fits(torch.empty(17, 1024, dtype=torch.bfloat16), 1024, "norm")
     assert small_m_staged.kind_of(True, None) == "gate_up"
-    x32 = torch.empty(32, 1024, dtype=torch.bfloat16)
-    assert not small_m_staged.fits(x32, 1024, "norm")
-    monkeypatch.setattr(small_m_staged, "KIND_MAX_M", {"norm": 32})   # a per-kind cap wins
-    assert small_m_staged.fits(x32, 1024, "norm") and not small_m_staged.fits(x32, 1024, "gate_up")
+    x17, x32 = (torch.empty(m, 1024, dtype=torch.bfloat16) for m in (17, 32))
+    # the default per-kind cap: qkv (norm) to 32 rows, the rest to MAX_M = 16
+    assert small_m_staged.fits(x32, 1024, "norm") and not small_m_staged.fits(x17, 1024, "add")
+    assert not small_m_staged.fits(x17, 1024, "gate_up")
+    monkeypatch.setattr(small_m_staged, "KIND_MAX_M", {})               # no cap: MAX_M for all
+    assert not small_m_staged.fits(x17, 1024, "norm")
+    monkeypatch.setattr(small_m_staged, "KIND_MAX_M", {"add": 32})      # a per-kind cap wins
+    assert small_m_staged.fits(x32, 3072, "add") and not small_m_staged.fits(x32, 1024, "norm")
     assert small_m_staged.kind_of(False, x) == "add" and small_m_staged.kind_of(False, None) == "norm"
 
 
@@ -135,7 +138,8 @@ def test_gpu_ragged_shapes_bias_and_a_strided_residual(M, N, K, bias, monkeypatc
     chunks, bias, rows past one block; the add into a row-strided view of a wider buffer."""
     _staged_on(monkeypatch)
     x, nw, w, b = check_ragged_fused_gemms(M, N, K, bias)
-    assert small_m_staged.fits(x, K, "norm") == (M <= small_m_staged.MAX_M and K <= 2048)
+    assert small_m_staged.fits(x, K, "norm") == (
+        M <= small_m_staged.KIND_MAX_M.get("norm", small_m_staged.MAX_M) and K <= 2048)
     if K <= 2048:       # the kernel itself past MAX_M rows too (several 16-row blocks),
         ref = skinny_norm_linear_ref(x, nw, 1e-6, w, b)     # one program or one a block
         for split_rows in (False, True):

@@ -109,6 +109,7 @@
 #   EM2 (session 26) EM's TPOT A/B over ROUNDS (default 3) rounds at BATCHES (default 1,4,24,32)
 #   EM3 (session 26) TPOT b16-32: EARLY_META on / up to 16 requests in decode_attention / off,
 #      and QKV's winner (qkv staged to 32 rows + attention prefetch to 32) with it on / to 16
+#   EM4 (session 26) the new defaults' GPU tests and sync-debug loop, TPOT new / session 25's
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -361,6 +362,17 @@ EM3)
      --variant qkv32pf="$QKV" --variant qkv32pf_meta16="$QKV $M16" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-16,24,32}
   ;;
+EM4)
+  # the new defaults (EARLY_META off at 17-32 decode requests, qkv staged to 32 rows, attention's
+  # first tile prefetched to 32): the GPU tests, the model against transformers, the sync-debug
+  # loop, then TPOT against session 25's defaults (all of EARLY_META off, qkv staged to 16)
+  py -m pytest -q tests/test_small_m_staged.py tests/test_decode_attention.py tests/test_gpu_qwen3.py
+  py -m pytest -q tests/test_gpu_async.py -k sync_debug
+  ST=mrv2.kernels.small_m_staged
+  OLD="--set $AT:EARLY_META=false --set $ST:KIND_MAX_M={} --set $DA:PREFETCH_MAX_REQS=16"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_session26_defaults_processes.json" \
+     --variant new= --variant s25="$OLD" -- bench latency --runner v2 --batch-sizes 1,4,16,24,32
+  ;;
 QKV)
   # qkv staged at 17-32 rows (one program walks both blocks: half an SM) so attention's programs
   # fit beside it before the wait, alone and with attention's first tile prefetched up to 32
@@ -379,5 +391,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z, QKV, EM, EM2, EM3)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV, EM, EM2, EM3, EM4)"; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ kernel; large decode batches with long contexts start their longest requests fir
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -102,8 +103,7 @@ def _paged_attention_kernel(
     # Program = (request, block of BLOCK_Q query tokens, KV_FOLD KV heads x split of the
     # keys). The compiled kernel takes one KV head (KV_FOLD = 1); the interpreter, which
     # pays per operation, folds several into one block-diagonal problem (see below).
-    # The request (req_order's slot with longest_first: long ones start first) and its
-    # lengths: step metadata, before the wait with EARLY_META (no kernel of the step writes it).
+    # Its request (req_order's slot: longest_first) and lengths; with EARLY_META before the wait.
     if EARLY_META:
         b, q_start, q_len, seq_len = request_meta_body(
             req_order_ptr, query_start_loc_ptr, seq_lens_ptr, HAS_ORDER, ".cg")
@@ -195,9 +195,7 @@ def _merge_splits_kernel(
     EARLY_META: tl.constexpr = False,
 ):
     # Program = (request, query token of the request, head).
-    b = tl.program_id(0)
-    qi = tl.program_id(1)
-    h = tl.program_id(2)
+    b, qi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EARLY_META:  # step metadata: before the wait (EARLY_META)
         q_start = tl.load(query_start_loc_ptr + b, cache_modifier=".cg")
         q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=".cg") - q_start
@@ -232,15 +230,10 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-_NUM_SMS: int | None = None
-
-
+@functools.cache
 def _num_sms() -> int:
-    global _NUM_SMS
-    if _NUM_SMS is None:
-        _NUM_SMS = torch.cuda.get_device_properties(torch.cuda.current_device()) \
-            .multi_processor_count if torch.cuda.is_available() else 1
-    return _NUM_SMS
+    return torch.cuda.get_device_properties(torch.cuda.current_device()) \
+        .multi_processor_count if torch.cuda.is_available() else 1
 
 
 def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len: int,
@@ -346,13 +339,20 @@ def override_launch(cfg: dict, overrides: dict) -> dict:
 #: (``_ONE_LOOP``); the tests run the GPU's two-loop form interpreted too.
 DECODE_ONE_LOOP: bool = env_switch("MRV2_DECODE_ONE_LOOP", False)
 
-#: Read the step's metadata (request order, ``query_start_loc``, ``seq_lens``; in
-#: ``decode_attention`` also the token's position, RoPE angles and cache slot) BEFORE the PDL
-#: wait, here, in the split merge and in ``decode_attention`` (``MRV2_ATTENTION_EARLY_META=0``
-#: turns it off). No kernel of the current step writes it: the input prep did, at least two
-#: launches back, so it has completed (pdl.py: waits chain) and the ``.cg`` loads find it in
-#: L2. After the wait only the loads that need the kernel before remain (q, the parts).
+#: The step's metadata (request order, ``query_start_loc``, ``seq_lens``; in decode_attention
+#: the token's position, angles, slot too) read BEFORE the PDL wait here, in the merge and in
+#: decode_attention (``MRV2_ATTENTION_EARLY_META=0``: off): the input prep wrote it >= 2
+#: launches back, so it completed (pdl.py: waits chain). H100, jobs 26EM-EM3: TPOT b1 / b4
+#: -1.1 / -0.7%, b256's step -1.3%; b24 / b32 +2.4 / +3.9%: 17-32 requests go without it.
 EARLY_META: bool = env_switch("MRV2_ATTENTION_EARLY_META", True)
+EARLY_META_DECODE_MAX_REQS = 16
+
+
+def early_meta(num_reqs: int, decode: bool) -> bool:
+    """``EARLY_META`` for a launch (host ints): decode kernels and the merge skip 17-32."""
+    return EARLY_META and not (decode and EARLY_META_DECODE_MAX_REQS < num_reqs <= 32)
+
+
 #: The interpreter's single masked loop for every program (it pays per operation).
 _ONE_LOOP: bool = TRITON_INTERPRET
 #: ``longest_first`` orders decode batches of at least this many requests (up to 32 the model
@@ -423,7 +423,7 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, md: AttentionMet
         *part_acc.stride()[:3], *part_ml.stride()[:3], *out.stride(),
         HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PDL=use_pdl, EARLY_META=EARLY_META, **pdl.launch_kwargs(use_pdl),
+        PDL=use_pdl, EARLY_META=early_meta(md.num_reqs, decode=True), **pdl.launch_kwargs(use_pdl),
     )
 
 
@@ -491,7 +491,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
         BLOCK_Q=cfg["block_q"], BLOCK_M=cfg["block_q"] * kv_fold * group_pad,
         BLOCK_N=cfg["block_n"],
         BLOCK_D=block_d, PDL=use_pdl, req_order_ptr=md.req_order,
-        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"], EARLY_META=EARLY_META,
+        HAS_ORDER=md.req_order is not None, PART_TILES=cfg["part_tiles"],
+        EARLY_META=early_meta(md.num_reqs, decode=False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch_kwargs(use_pdl),
     )
     if splits > 1:

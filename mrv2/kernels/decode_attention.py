@@ -75,7 +75,7 @@ FOLD_MERGE: bool = env_switch("MRV2_FOLD_SPLIT_MERGE", False)
 #: registers through the wait). The bound (job 18F): up to 8 / 16 / 32 requests, TPOT b16
 #: 1.196 / 1.127 / 1.124 ms, b24 1.355 / 1.346 / 1.378, b32 1.406 / 1.420 / 1.454: 16.
 PREFETCH: bool = env_switch("MRV2_ATTENTION_PREFETCH", True)
-PREFETCH_MAX_REQS = 16
+PREFETCH_MAX_REQS = 32   # 16 until qkv was staged to 32 rows (small_m_staged.KIND_MAX_M)
 
 #: With ``MRV2_ATTENTION_PREFETCH_L2=1`` (opt-in), steps of at least ``PREFETCH_L2_MIN_REQS``
 #: requests bring every cached row a program reads into L2 before the wait (``attention_tile.
@@ -90,10 +90,6 @@ def prefetch_l2(num_reqs: int) -> bool:
     """Whether a launch of ``num_reqs`` requests prefetches its keys into L2 (host ints)."""
     return PREFETCH_L2 and not TRITON_INTERPRET and num_reqs >= PREFETCH_L2_MIN_REQS
 
-
-#: ``attention.EARLY_META`` here only up to this many requests (the merge and paged attention
-#: take it at every batch): at 24 / 32 it cost TPOT 2.4 / 3.9% (H100, job 26EM2, 3 rounds).
-EARLY_META_MAX_REQS = 256
 
 #: The most decode tokens a step sends here. NOTE: at batch 256 it lost (job D, standard
 #: workload: 24,907 tok/s with it, 25,244 without; ``bench decode`` b256 GPU 3.07 ms a step),
@@ -435,7 +431,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor,
         FOLD_MERGE=fold, BLOCK_S=triton.next_power_of_2(splits),
         PREFETCH=PREFETCH and num_reqs <= PREFETCH_MAX_REQS,
         PART_TILES=cfg["part_tiles"], PREFETCH_L2=prefetch_l2(num_reqs),
-        EARLY_META=attention.EARLY_META and num_reqs <= EARLY_META_MAX_REQS,
+        EARLY_META=attention.early_meta(num_reqs, decode=True),
         LINE=128 // kv_cache.element_size(), LINES=triton.cdiv(d * kv_cache.element_size(), 128),
         **opts, **pdl.launch_kwargs(use_pdl))
     if splits > 1 and not fold:

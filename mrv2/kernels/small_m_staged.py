@@ -254,10 +254,13 @@ LAUNCH_OVER_16 = {**LAUNCH, "gate_up": (16, 4, 16)}
 #: The most rows routed here (``small_m_fused._run``): over 16 the chain lost to the resident
 #: kernel's (H100, job 24V: 1,020 / 1,108 against 762 / 782 us at 24 / 32 rows).
 MAX_M = 16
-#: Per op kind, a row cap that replaces ``MAX_M`` (none set). The idea to measure: qkv staged at
-#: 17-32 rows too (one program walking both blocks, half an SM's registers) so that attention's
-#: programs fit beside it before the wait, where the resident qkv takes every register.
-KIND_MAX_M: dict[str, int] = {}
+#: Per op kind, a row cap that replaces ``MAX_M``: qkv (``norm``) staged at 17-32 rows too, one
+#: program walking both row blocks (half an SM's registers), so attention's programs fit beside
+#: it before the wait (the resident qkv takes every register) and its first key tile is loaded
+#: there (``decode_attention.PREFETCH_MAX_REQS`` 32). H100, job 26EM3, TPOT over 2 rounds of
+#: fresh processes, b24 / b32: 1.346 / 1.434 ms -> 1.333 / 1.409 (qkv staged alone: neutral,
+#: job 26QKV).
+KIND_MAX_M: dict[str, int] = {"norm": 32}
 #: Over ``BLOCK_M`` rows, whether each row block gets its own program (grid ``(N / BLOCK_N,
 #: row blocks)``) instead of one program walking them in turn: a row block after the first
 #: cost ~4.6 us a launch on the critical path (two L2 reads of x, three barriers, the sum
@@ -265,7 +268,7 @@ KIND_MAX_M: dict[str, int] = {}
 #: slice, mostly from L2. Only matters past ``MAX_M`` = 16 rows (the kernel called directly,
 #: or ``MAX_M`` raised), where both lost to the resident kernel (job 25X, above);
 #: ``split_rows`` in ``run``'s config overrides it.
-SPLIT_ROWS = {"norm": True, "add": True, "gate_up": True}
+SPLIT_ROWS = {"norm": False, "add": True, "gate_up": True}   # qkv over 16 rows: one walks
 #: The most weight bytes a program stages (a column block over all of K, x 2 for gate_up):
 #: beyond it the call stays on small_m_resident (K = 4,096 at 32 columns would need 256 KB).
 MAX_SLICE_BYTES = 128 * 1024
