@@ -116,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
                     return 1
                 result = json.loads(out.read_text())
-                if not meta:  # where it ran, from the first process's JSON
-                    meta = {k: result.get(k) for k in ("date", "hardware", "versions",
-                                                       "git_commit", "source_digest", "config")}
+                if not meta:  # where it ran, from the first process's JSON (bench decode
+                    src = {**result.get("meta", {}), **result}   # keeps it under "meta")
+                    meta = {k: src.get(k) for k in ("date", "hardware", "versions",
+                                                    "git_commit", "source_digest", "config")}
                 got = figures(result)
                 for k, x in got.items():
                     variants[name]["figures"].setdefault(k, []).append(x)
