@@ -140,24 +140,27 @@ def _capturing(pdl_on: bool):
             setattr(mod, name, value)
 
 
-def decode_attention_ptx(reqs: int, prefetch_l2: bool, keys: int = 200) -> str:
+def decode_attention_ptx(reqs: int, prefetch_l2: bool, keys: int = 200,
+                         early_meta: bool | None = None) -> str:
     """The PTX of ``decode_rope_attention``'s kernel for a decode step of ``reqs`` requests at
-    ``keys`` keys (PDL on; ``decode_attention.PREFETCH_L2`` forced), compiled for sm_90."""
+    ``keys`` keys (PDL on; ``decode_attention.PREFETCH_L2`` forced, ``attention.EARLY_META``
+    too unless None: then the package's rule for ``reqs``), compiled for sm_90."""
     bf = torch.bfloat16
     md = AttentionMetadata(torch.arange(reqs + 1, dtype=torch.int32),
                            torch.full((reqs,), keys, dtype=torch.int32),
                            torch.zeros(reqs, 64, dtype=torch.int32),
                            torch.arange(reqs, dtype=torch.int64) * 16, 1, keys)
-    before = decode_attention.PREFETCH_L2
+    before, meta_before = decode_attention.PREFETCH_L2, attention.EARLY_META
     try:
         decode_attention.PREFETCH_L2 = prefetch_l2
+        attention.EARLY_META = meta_before if early_meta is None else early_meta
         with _capturing(True) as caps:
             decode_attention.decode_rope_attention(
                 torch.randn(reqs, 4096, dtype=bf), torch.full((reqs,), keys - 1),
                 torch.randn(4096, 128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf),
                 1e-6, torch.zeros(2, 64, 16, 8, 128, dtype=bf), md, 128 ** -0.5, 16, 8)
     finally:
-        decode_attention.PREFETCH_L2 = before
+        decode_attention.PREFETCH_L2, attention.EARLY_META = before, meta_before
     cap = caps["_decode_rope_attention_kernel"]
     args, kwargs = cap.calls[0]
     return _compile(cap.fn, args, kwargs).asm["ptx"]

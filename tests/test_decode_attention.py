@@ -300,3 +300,28 @@ def test_sm90_ptx_prefetches_the_keys_into_l2_before_the_wait():
         wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
         assert len(wait) == 1
         assert (len(pf) >= 2 and max(pf) < wait[0]) if l2 else not pf
+
+
+def _loads_before_the_wait(ptx: str) -> int:
+    head, sep, _ = ptx.partition("griddepcontrol.wait")
+    assert sep, "no griddepcontrol.wait in the PTX"
+    return head.count("ld.global")
+
+
+def test_sm90_early_meta_loads_the_metadata_before_the_wait():
+    """Compiled for sm_90 (no GPU, a process of its own): with ``attention.EARLY_META`` a
+    4-request launch issues more loads before ``griddepcontrol.wait`` than without (the
+    request's lengths, the token's position, angles and slot); at 24 requests the package's
+    rule (``attention.early_meta``) leaves it off: the PTX of EARLY_META off."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); import check_pdl_sm90 as c; "
+            "print(json.dumps([c.decode_attention_ptx(4, False, early_meta=True), "
+            "c.decode_attention_ptx(4, False, early_meta=False), "
+            "c.decode_attention_ptx(24, False), c.decode_attention_ptx(24, False, early_meta=False)]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    on4, off4, rule24, off24 = json.loads(proc.stdout.splitlines()[-1])
+    assert _loads_before_the_wait(on4) >= _loads_before_the_wait(off4) + 4
+    assert rule24 == off24
+
