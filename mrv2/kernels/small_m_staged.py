@@ -35,7 +35,10 @@ block reads x twice, in pieces, so the resident kernel keeps 17-32 rows (``MAX_M
 a 16-row block (``SPLIT_ROWS``) lost too (job 25X: the chain 810 / 839 us at 24 / 32 rows, one
 program walking both 834 / 863, the resident 754 / 772; TPOT b24 / b32 1.378 / 1.504 against
 1.334 / 1.416 ms). Taking 32 rows a pass (``BLOCK_M`` 32) would read x once, but ptxas then
-gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6).
+gives qkv and gate_up 200-255 registers a thread (offline, Triton 3.6). Yet in the model qkv
+alone at 17-32 rows (``KIND_MAX_M``, one program walking both blocks) pays: half an SM lets
+attention's programs start beside it and load their first key tile before the wait (TPOT b24 /
+b32 -1.0 / -1.7%, H100 job 26EM3), so that is the default since session 26.
 """
 
 from __future__ import annotations
@@ -265,9 +268,9 @@ KIND_MAX_M: dict[str, int] = {"norm": 32}
 #: row blocks)``) instead of one program walking them in turn: a row block after the first
 #: cost ~4.6 us a launch on the critical path (two L2 reads of x, three barriers, the sum
 #: through shared memory; H100, job 24V), a second program costs a second read of its W
-#: slice, mostly from L2. Only matters past ``MAX_M`` = 16 rows (the kernel called directly,
-#: or ``MAX_M`` raised), where both lost to the resident kernel (job 25X, above);
-#: ``split_rows`` in ``run``'s config overrides it.
+#: slice, mostly from L2. Only matters past ``MAX_M`` = 16 rows (qkv's 17-32 rows, the kernel
+#: called directly, or ``MAX_M`` raised); on the chain both lost to the resident kernel (job
+#: 25X, above); ``split_rows`` in ``run``'s config overrides it.
 SPLIT_ROWS = {"norm": False, "add": True, "gate_up": True}   # qkv over 16 rows: one walks
 #: The most weight bytes a program stages (a column block over all of K, x 2 for gate_up):
 #: beyond it the call stays on small_m_resident (K = 4,096 at 32 columns would need 256 KB).
