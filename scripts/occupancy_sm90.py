@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     pdl.use_pdl = lambda device: True                      # CPU tensors: the H200's choice
     pdl.launch_kwargs = lambda use: {"launch_pdl": True} if use else {}
-    attention._NUM_SMS = NUM_SMS
+    attention._num_sms = lambda: NUM_SMS
     ptx_dir = pathlib.Path(args.ptx_dir)
     ptx_dir.mkdir(parents=True, exist_ok=True)
     rows = []

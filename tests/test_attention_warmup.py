@@ -21,7 +21,7 @@ def test_launch_variants_cover_every_choice_of_the_gpu_picker(monkeypatch, dims)
     The Qwen3-0.6B shape with max_model_len 2048 has about 20 (job U compiled them one by
     one inside serving steps)."""
     monkeypatch.setattr(attention, "TRITON_INTERPRET", False)
-    monkeypatch.setattr(attention, "_NUM_SMS", 132)
+    monkeypatch.setattr(attention, "_num_sms", lambda: 132)
     num_heads, num_kv_heads, head_dim, max_reqs, max_len = dims
     variants = launch_variants(num_heads, num_kv_heads, head_dim, max_reqs, max_len)
     keys = [tuple(sorted(v.items())) for v in variants]
@@ -109,7 +109,7 @@ def test_runner_precompiles_fused_decode_launches_only_up_to_its_token_cap(monke
 
     llm = LLM(max_model_len=1024, max_num_seqs=64, dtype="float32", enforce_eager=True)
     monkeypatch.setattr(attention, "TRITON_INTERPRET", False)   # the GPU picker (132 SMs):
-    monkeypatch.setattr(attention, "_NUM_SMS", 132)             # its choice varies with batch
+    monkeypatch.setattr(attention, "_num_sms", lambda: 132)             # its choice varies with batch
     seen = {}
     monkeypatch.setattr(attention_warmup, "precompile", lambda *a, **k: 0)
     monkeypatch.setattr(attention_warmup, "precompile_decode_rope",
