@@ -370,7 +370,7 @@ EM4)
   py -m pytest -q tests/test_gpu_async.py -k sync_debug
   ST=mrv2.kernels.small_m_staged
   OLD="--set $AT:EARLY_META=false --set $ST:KIND_MAX_M={} --set $DA:PREFETCH_MAX_REQS=16"
-  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_session26_defaults_processes.json" \
+  [ "${TPOT:-1}" = 0 ] || py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_latency_session26_defaults_processes.json" \
      --variant new= --variant s25="$OLD" -- bench latency --runner v2 --batch-sizes 1,4,16,24,32
   ;;
 QKV)
