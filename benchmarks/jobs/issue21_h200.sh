@@ -102,6 +102,9 @@
 #   QKV (session 25, for later) TPOT b24 / b32 with qkv staged at 17-32 rows (small_m_staged.
 #      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
 #      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
+#   NEXT (for session 27, in this order): Y on an H200 (the book's figures at main's defaults,
+#      then re-plot chapters 01 / 05 / 08 / 10), then EM4 on any GPU if it has not run (the new
+#      defaults' GPU tests; TPOT=0 skips its A/B), then Z.
 #   EM (session 26) attention's step metadata (request, lengths, the token's angles and slot)
 #      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
