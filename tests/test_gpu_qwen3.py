@@ -34,7 +34,10 @@ def rms(x: torch.Tensor) -> float:
     return x.float().pow(2).mean().sqrt().item()
 
 
-def test_qwen3_0_6b_bf16_matches_hf(tmp_path):
+def _check_against_hf(tmp_path, prompts, max_new_tokens, token_budget, arrivals, pad_tokens,
+                      pad_reqs):
+    """Greedy-run ``prompts`` through mrv2 (bf16) and compare every logit row with HF in bf16
+    and fp32 on the same random weights (the module docstring's criterion)."""
     import transformers
 
     from mrv2.models.loader import load_model
@@ -46,14 +49,10 @@ def test_qwen3_0_6b_bf16_matches_hf(tmp_path):
     hf = hf.to("cuda").eval()
     model, mcfg = load_model(str(tmp_path), dtype="bfloat16", device="cuda")
     assert model.use_qk_norm and model.lm_head.weight is model.model.embed_tokens.weight
-
-    # Mixed batch: long and short prompts, chunked prefill (budget 96), decodes, and
-    # CUDA-graph style padding (slot -1 tokens, seq_len 0 rows).
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in (200, 7, 64, 1, 33)]
     harness = PagedHarness(model, mcfg, num_blocks=256, block_size=16)
-    reqs = run_schedule(harness, prompts, max_new_tokens=6, token_budget=96,
-                        arrivals=[0, 0, 1, 2, 2], pad_tokens=5, pad_reqs=2)
+    reqs = run_schedule(harness, prompts, max_new_tokens=max_new_tokens,
+                        token_budget=token_budget, arrivals=arrivals, pad_tokens=pad_tokens,
+                        pad_reqs=pad_reqs)
 
     ours, hf16, hf32 = [], [], []
     with torch.no_grad():
@@ -75,3 +74,24 @@ def test_qwen3_0_6b_bf16_matches_hf(tmp_path):
           f"mrv2 {agree_ours:.3f}, HF {agree_hf:.3f} over {ours.shape[0]} rows")
     assert err_ours <= 1.5 * err_hf, (err_ours, err_hf)
     assert agree_ours >= agree_hf - 0.05, (agree_ours, agree_hf)
+
+
+def test_qwen3_0_6b_bf16_matches_hf(tmp_path):
+    # Mixed batch: long and short prompts, chunked prefill (budget 96), decodes, and
+    # CUDA-graph style padding (slot -1 tokens, seq_len 0 rows).
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in (200, 7, 64, 1, 33)]
+    _check_against_hf(tmp_path, prompts, max_new_tokens=6, token_budget=96,
+                      arrivals=[0, 0, 1, 2, 2], pad_tokens=5, pad_reqs=2)
+
+
+def test_qwen3_0_6b_bf16_matches_hf_at_17_to_32_decode_rows(tmp_path):
+    """Decode steps of 24 requests (+3 padding tokens: 27 rows): the paths that only such
+    steps take on the GPU, qkv on small_m_staged walking two 16-row blocks, the other
+    products on small_m_resident, the fused decode attention in 2 splits with its first key
+    tile loaded before the PDL wait and EARLY_META off (session 26's defaults)."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(1, 48, (24,), generator=g).tolist()
+    prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in lens]
+    _check_against_hf(tmp_path, prompts, max_new_tokens=4, token_budget=2048,
+                      arrivals=[0] * 24, pad_tokens=3, pad_reqs=1)
