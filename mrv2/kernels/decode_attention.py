@@ -191,7 +191,7 @@ def _decode_rope_attention_kernel(
     c_ok = c < HALF
     if PREFETCH or PREFETCH_L2 or EARLY_META:
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
-            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
+            query_start_loc_ptr, seq_lens_ptr, split, NUM_SPLITS, BLOCK_N, ".cg", PART_TILES)
     if EARLY_META:  # the token's angles and slot too (attention.EARLY_META): step metadata
         cos, sin, slot = _token_meta_body(positions_ptr, cos_sin_ptr, slot_mapping_ptr, t,
                                           q_len > 0, stride_cp, c, c_ok, HALF, ".cg")
@@ -223,7 +223,7 @@ def _decode_rope_attention_kernel(
         gdc_launch_dependents()
     if not (PREFETCH or PREFETCH_L2 or EARLY_META):
         t, q_len, seq_len, lo, hi, kv_hi = _request_range_body(
-            query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N, "", PART_TILES)
+            query_start_loc_ptr, seq_lens_ptr, split, NUM_SPLITS, BLOCK_N, "", PART_TILES)
     if q_len <= 0:  # graph padding: no token
         return
     new_pos = seq_len - 1                               # the new token's key index

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mrv2.kernels.attention_tile import split_key_range_body
+from mrv2.kernels.attention_tile import request_meta_body, split_key_range_body
 from mrv2.kernels.layernorm import row_sum
 from mrv2.platform import interpreter_body
 
@@ -39,14 +39,14 @@ def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
 
 
 @triton.jit
-def _request_range(query_start_loc_ptr, seq_lens_ptr, b, split, NUM_SPLITS: tl.constexpr,
+def _request_range(query_start_loc_ptr, seq_lens_ptr, split, NUM_SPLITS: tl.constexpr,
                    BLOCK_N: tl.constexpr, CACHE: tl.constexpr, PART_TILES: tl.constexpr):
-    # Request b's token t (q_len 0: graph padding), its seq_len, this split's keys [lo, hi)
-    # and kv_hi: the cached ones below the new token (key seq_len - 1), which the kernel
-    # adds from registers. CACHE=".cg": through L2 only (loads before the PDL wait).
-    t = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
-    q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - t
-    seq_len = tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
+    # Request program_id(0)'s token t (q_len 0: graph padding), its seq_len (attention_tile.
+    # request_meta, no request order), this split's keys [lo, hi) and kv_hi: the cached ones
+    # below the new token (key seq_len - 1), which the kernel adds from registers.
+    # CACHE=".cg": through L2 only (loads before the PDL wait).
+    _, t, q_len, seq_len = request_meta_body(None, query_start_loc_ptr, seq_lens_ptr, False,
+                                             CACHE)
     lo, hi = split_key_range_body(split, seq_len, NUM_SPLITS, BLOCK_N, PART_TILES)
     return t, q_len, seq_len, lo, hi, tl.minimum(hi, seq_len - 1)
 
