@@ -39,11 +39,35 @@ from mrv2.kernels import pdl
 from mrv2.kernels.pdl import GDC_CALLS
 
 
+PREFETCH_MODES = {"none": 0, "line": 1, "bulk": 2}
+BULK_BYTES = 4096          # one cp.async.bulk.prefetch.L2 a chunk
+
+
 @triton.jit
-def _stream_kernel(w_ptr, x_ptr, out_ptr, BLOCK: tl.constexpr, LOAD: tl.constexpr,
-                   PDL: tl.constexpr):
+def _prefetch_lines(ptrs):
+    # One ``prefetch.global.L2`` a 128-byte line: no register waits for it.
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_bulk(ptrs):
+    # One bulk prefetch (the TMA engine) of BULK_BYTES into the L2 a pointer (sm_90).
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l", [ptrs],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stream_kernel(w_ptr, x_ptr, out_ptr, nxt_ptr, BLOCK: tl.constexpr, LOAD: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # out[p] = x[0] * sum(w[p * BLOCK : (p + 1) * BLOCK]); w before the wait (PDL).
+    # PREFETCH: first, program p's block of a LATER kernel's weights (nxt) into the L2.
     pid = tl.program_id(0)
+    if PREFETCH == 1:
+        _prefetch_lines(nxt_ptr + pid * BLOCK + tl.arange(0, BLOCK // 64) * 64)   # 128 B lines
+    if PREFETCH == 2:
+        _prefetch_bulk(nxt_ptr + pid * BLOCK + tl.arange(0, BLOCK // 2048) * 2048)  # 4 KB
     total = 0.0
     if LOAD:
         w = tl.load(w_ptr + pid * BLOCK + tl.arange(0, BLOCK))               # [BLOCK] bf16
@@ -59,27 +83,32 @@ def stream_ref(w: torch.Tensor, x0: torch.Tensor, block: int) -> torch.Tensor:
     return w.float().view(-1, block).sum(-1) * x0.float()
 
 
-def chain(ws, outs, block, load, use_pdl, num_warps):
-    """Launch the chain: kernel i reads ``outs[i - 1][0]`` (the first reads ``outs[-1]``)."""
+def chain(ws, outs, block, load, use_pdl, num_warps, prefetch="none", ahead=1):
+    """Launch the chain: kernel i reads ``outs[i - 1][0]`` (the first reads ``outs[-1]``);
+    with ``prefetch``, kernel i also brings ``ws[(i + ahead) % n]`` into the L2."""
     for i, w in enumerate(ws):
         grid = (w.numel() // block,) if load else (outs[i].numel(),)
-        _stream_kernel[grid](w, outs[i - 1], outs[i], BLOCK=block, LOAD=load, PDL=use_pdl,
+        nxt = ws[(i + ahead) % len(ws)]
+        _stream_kernel[grid](w, outs[i - 1], outs[i], nxt, BLOCK=block, LOAD=load, PDL=use_pdl,
+                             PREFETCH=PREFETCH_MODES[prefetch],
                              **({} if TRITON_INTERPRET else {"num_warps": num_warps}),
                              **pdl.launch_kwargs(use_pdl))
 
 
-def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device):
+def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device,
+                 prefetch="none", ahead=1):
     """us per chain (median of ``replays`` graph replays) for one variant."""
     numel = int(mb * 1e6) // 2 // block * block           # bf16 weights, MB = 1e6 bytes
     ws = [torch.randn(numel, device=device).to(torch.bfloat16) for _ in range(n_kernels)]
     n_out = numel // block if load else torch.cuda.get_device_properties(device) \
         .multi_processor_count
     outs = [torch.ones(n_out, device=device) for _ in range(n_kernels)]
-    chain(ws, outs, block, load, use_pdl, num_warps)          # compile, then capture
+    run = lambda: chain(ws, outs, block, load, use_pdl, num_warps, prefetch, ahead)  # noqa: E731
+    run()                                                       # compile, then capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        chain(ws, outs, block, load, use_pdl, num_warps)
+        run()
     for _ in range(3):
         g.replay()
     times = []
@@ -94,7 +123,7 @@ def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device
     nbytes = n_kernels * numel * 2 if load else 0
     return {"kernels": n_kernels, "mb_per_kernel": numel * 2 / 1e6 if load else 0.0,
             "block": block if load else 0, "programs": n_out, "pdl": use_pdl,
-            "num_warps": num_warps, "us_per_chain": us, "us_per_kernel": us / n_kernels,
+            "num_warps": num_warps, "prefetch": prefetch, "ahead": ahead, "us_per_chain": us, "us_per_kernel": us / n_kernels,
             "tb_s": nbytes / (us * 1e-6) / 1e12 if load else None}
 
 
@@ -105,7 +134,7 @@ def smoke() -> None:
     outs = [torch.zeros(4) for _ in range(3)]
     outs[-1][0] = 2.0
     x0 = outs[-1][0].clone()
-    chain(ws, outs, 64, True, False, 4)
+    chain(ws, outs, 64, True, False, 4)   # (the prefetch variants are inline PTX: GPU only)
     expect = stream_ref(ws[0], x0, 64)
     torch.testing.assert_close(outs[0], expect)
     torch.testing.assert_close(outs[1], stream_ref(ws[1], expect[0], 64))
@@ -120,6 +149,9 @@ def main(argv=None) -> int:
                     help="bf16 weights a program, comma-separated")
     ap.add_argument("--warps", default="4", help="num_warps, comma-separated")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--prefetch", default="none",
+                    help="comma-separated of none,line,bulk: the L2 prefetch variants to add")
+    ap.add_argument("--ahead", default="1", help="kernels ahead to prefetch, comma-separated")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -139,10 +171,15 @@ def main(argv=None) -> int:
             for block in map(int, args.blocks.split(",")):
                 rows.append(time_variant(args.kernels, args.mb, block, True, p, nw,
                                          args.replays, dev))
+                for mode in [m for m in args.prefetch.split(",") if m != "none"]:
+                    for ahead in map(int, args.ahead.split(",")):
+                        rows.append(time_variant(args.kernels, args.mb, block, True, p, nw,
+                                                 args.replays, dev, mode, ahead))
     for r in rows:
         tb = "" if r["tb_s"] is None else f"{r['tb_s']:.2f} TB/s"
         print(f"pdl={int(r['pdl'])} block={r['block']:6d} programs={r['programs']:5d} "
-              f"warps={r['num_warps']}  {r['us_per_chain']:8.1f} us/chain "
+              f"warps={r['num_warps']} prefetch={r['prefetch']}+{r['ahead']} "
+              f"{r['us_per_chain']:8.1f} us/chain "
               f"{r['us_per_kernel']:6.2f} us/kernel  {tb}")
     if args.out:
         meta = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,

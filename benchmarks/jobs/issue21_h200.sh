@@ -113,6 +113,10 @@
 #   EM3 (session 26) TPOT b16-32: EARLY_META on / up to 16 requests in decode_attention / off,
 #      and QKV's winner (qkv staged to 32 rows + attention prefetch to 32) with it on / to 16
 #   EM4 (session 26) the new defaults' GPU tests and sync-debug loop, TPOT new / session 25's
+#   PF (session 27) scripts/probe_weight_stream_chain.py with each kernel also bringing the
+#      weights of the kernel 1 or 2 later into the L2 (prefetch.global.L2 lines, or
+#      cp.async.bulk.prefetch.L2 chunks): does a stream paced by its own kernels beat the ~55%
+#      of the bandwidth the plain chain reaches? (~1 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -364,6 +368,10 @@ EM3)
      --variant on= --variant meta16="$M16" --variant off="--set $AT:EARLY_META=false" \
      --variant qkv32pf="$QKV" --variant qkv32pf_meta16="$QKV $M16" \
      -- bench latency --runner v2 --batch-sizes ${BATCHES:-16,24,32}
+  ;;
+PF)
+  py scripts/probe_weight_stream_chain.py --blocks 4096,8192 --prefetch line,bulk --ahead 1,2 \
+     --out "$OUT/probe_weight_stream_prefetch.json"
   ;;
 EM4)
   # the new defaults (EARLY_META off at 17-32 decode requests, qkv staged to 32 rows, attention's
