@@ -13,6 +13,17 @@ ideal PDL GEMV, everything but one scalar prefetched. Each launch streams its ow
 ``--mb`` MB buffer (the chain's bytes are far beyond the L2). Also an empty chain (one
 program an SM, nothing loaded) for the bare launch-and-dependency cost.
 
+``--prefetch`` (session 27) adds variants where each kernel, first thing, also asks the L2
+for its share of the weights ``--ahead`` kernels later (``line``: one ``prefetch.global.L2``
+a 128-byte line; ``bulk``: one ``cp.async.bulk.prefetch.L2`` a 4 KB chunk, sm_90), so that
+the DRAM would never idle across a kernel boundary and the later kernel's loads would hit
+the L2: can a weight stream paced by its own kernels, not by their launches, beat the ~55%
+of the bandwidth the plain chain reaches (job 15A)? It cannot (H100, job 27PF, 112 kernels
+x 7.9 MB, PDL on): 8,192 weights a program 428 us a chain plain, 458 / 492 with line
+prefetches 1 / 2 kernels ahead, 610 / 635 with bulk ones; 4,096 a program 441 plain, 443 /
+453 with lines, 557 / 567 bulk. The prefetched lines compete with the kernel's own loads
+for the same DRAM time; so no L2 prefetch was wired into the model's GEMMs.
+
 Prints, per variant: us per chain, us per kernel, TB/s of the weight bytes; ``--out`` writes
 the JSON. ``--smoke`` runs tiny sizes through the interpreter and checks the values only.
 
@@ -103,7 +114,7 @@ def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device
     n_out = numel // block if load else torch.cuda.get_device_properties(device) \
         .multi_processor_count
     outs = [torch.ones(n_out, device=device) for _ in range(n_kernels)]
-    run = lambda: chain(ws, outs, block, load, use_pdl, num_warps, prefetch, ahead)  # noqa: E731
+    run = lambda: chain(ws, outs, block, load, use_pdl, num_warps, prefetch, ahead)
     run()                                                       # compile, then capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
