@@ -117,6 +117,9 @@
 #      weights of the kernel 1 or 2 later into the L2 (prefetch.global.L2 lines, or
 #      cp.async.bulk.prefetch.L2 chunks): does a stream paced by its own kernels beat the ~55%
 #      of the bandwidth the plain chain reaches? (~1 min)
+#   AT (session 27) the fused RoPE + attention kernel for decode steps of up to 48 / 64 tokens
+#      (decode_attention.MAX_TOKENS; job 27Z: -3.3% decode GPU ms at b48, flat at b64): bench
+#      decode b40 / b48, then the standard workload, fresh processes (~4 min)
 #   K  (session 20) the GPU tests of 3c07654's split_key_range helper, then the decode step's
 #      per-kernel table at the latency bench's batches (1-32 at 192 keys) and at 64 / 256 (96
 #      keys, the host-bound shape), then H
@@ -372,6 +375,14 @@ EM3)
 PF)
   py scripts/probe_weight_stream_chain.py --blocks 4096,8192 --prefetch line,bulk --ahead 1,2 \
      --out "$OUT/probe_weight_stream_prefetch.json"
+  ;;
+AT)
+  A48="--set $DA:MAX_TOKENS=48"
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_attn48_processes.json" \
+     --variant default= --variant attn48="$A48" --variant attn64="--set $DA:MAX_TOKENS=64" \
+     -- bench decode --batch-sizes 40,48 --contexts 192 --max-model-len 256
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_standard_attn48_processes.json" \
+     --variant default= --variant attn48="$A48" -- bench throughput --workload standard --runner v2
   ;;
 EM4)
   # the new defaults (EARLY_META off at 17-32 decode requests, qkv staged to 32 rows, attention's
