@@ -102,9 +102,9 @@
 #   QKV (session 25, for later) TPOT b24 / b32 with qkv staged at 17-32 rows (small_m_staged.
 #      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
 #      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
-#   NEXT (for session 27, in this order): Y on an H200 (the book's figures at main's defaults,
-#      then re-plot chapters 01 / 05 / 08 / 10), then EM4 on any GPU if it has not run (the new
-#      defaults' GPU tests; TPOT=0 skips its A/B), then Z.
+#   NEXT (for session 28, in this order; session 27 got an H100 once, then no machine): Y on an
+#      H200 (the book's figures at main's defaults, then re-plot chapters 01 / 05 / 08 / 10),
+#      then AG, then AT (either GPU).
 #   EM (session 26) attention's step metadata (request, lengths, the token's angles and slot)
 #      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
@@ -117,6 +117,12 @@
 #      weights of the kernel 1 or 2 later into the L2 (prefetch.global.L2 lines, or
 #      cp.async.bulk.prefetch.L2 chunks): does a stream paced by its own kernels beat the ~55%
 #      of the bandwidth the plain chain reaches? (~1 min)
+#   AG (session 27, not yet run) why attention in the model reads its KV at ~77-79% of the
+#      H200's copy bandwidth (job 13A: 256 requests x 768 keys, 6.9 ms a step for 5.46 at the
+#      bandwidth; the standard workload's decode lives there) when the same kernel alone reaches
+#      96% (bench_attention, 256 x 1,024, randomly permuted pages): the kernel alone, then bench
+#      decode at 256 x 768 / 1,024 with main's defaults, with PDL off, and with the longest-first
+#      order off (per-layer attention us against the lone kernel's), ~4 min
 #   AT (session 27) the fused RoPE + attention kernel for decode steps of up to 48 / 64 tokens
 #      (decode_attention.MAX_TOKENS; job 27Z: -3.3% decode GPU ms at b48, flat at b64): bench
 #      decode b40 / b48, then the standard workload, fresh processes (~4 min)
@@ -375,6 +381,13 @@ EM3)
 PF)
   py scripts/probe_weight_stream_chain.py --blocks 4096,8192 --prefetch line,bulk --ahead 1,2 \
      --out "$OUT/probe_weight_stream_prefetch.json"
+  ;;
+AG)
+  py scripts/bench_attention.py --no-ref --out "$OUT/attention_decode_alone.json"
+  DEC="bench decode --batch-sizes 256 --contexts 768,1024 --max-model-len 1280"
+  py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long.json"
+  MRV2_PDL=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_pdl-off.json"
+  MRV2_ATTENTION_ORDER=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_order-off.json"
   ;;
 AT)
   A48="--set $DA:MAX_TOKENS=48"
