@@ -51,7 +51,6 @@ from mrv2.kernels.pdl import GDC_CALLS
 
 
 PREFETCH_MODES = {"none": 0, "line": 1, "bulk": 2}
-BULK_BYTES = 4096          # one cp.async.bulk.prefetch.L2 a chunk
 
 
 @triton.jit
@@ -63,7 +62,7 @@ def _prefetch_lines(ptrs):
 
 @triton.jit
 def _prefetch_bulk(ptrs):
-    # One bulk prefetch (the TMA engine) of BULK_BYTES into the L2 a pointer (sm_90).
+    # One bulk prefetch (the TMA engine) of 4 KB into the L2 a pointer (sm_90).
     return tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;", "=r,l", [ptrs],
         dtype=tl.int32, is_pure=False, pack=1)
@@ -87,6 +86,18 @@ def _stream_kernel(w_ptr, x_ptr, out_ptr, nxt_ptr, BLOCK: tl.constexpr, LOAD: tl
         gdc_wait()               # the previous kernel has completed: x is its output
         gdc_launch_dependents()
     tl.store(out_ptr + pid, total * tl.load(x_ptr).to(tl.float32))
+
+
+def sm90_ptx(prefetch: str, block: int = 8192) -> str:
+    """The stream kernel (PDL on) compiled for sm_90 with a ``prefetch`` mode: its PTX (no
+    GPU: Triton's own binder, ``scripts/check_pdl_sm90.py``; in a process started with
+    ``TRITON_INTERPRET=0``, since this module imports mrv2 first)."""
+    import check_pdl_sm90
+
+    w, o = torch.zeros(4 * block, dtype=torch.bfloat16), torch.zeros(4)
+    return check_pdl_sm90._compile(_stream_kernel, (w, o, o, w), {
+        "BLOCK": block, "LOAD": True, "PDL": True, "PREFETCH": PREFETCH_MODES[prefetch],
+        "num_warps": 4}).asm["ptx"]
 
 
 def stream_ref(w: torch.Tensor, x0: torch.Tensor, block: int) -> torch.Tensor:
@@ -134,7 +145,8 @@ def time_variant(n_kernels, mb, block, load, use_pdl, num_warps, replays, device
     nbytes = n_kernels * numel * 2 if load else 0
     return {"kernels": n_kernels, "mb_per_kernel": numel * 2 / 1e6 if load else 0.0,
             "block": block if load else 0, "programs": n_out, "pdl": use_pdl,
-            "num_warps": num_warps, "prefetch": prefetch, "ahead": ahead, "us_per_chain": us, "us_per_kernel": us / n_kernels,
+            "num_warps": num_warps, "prefetch": prefetch, "ahead": ahead,
+            "us_per_chain": us, "us_per_kernel": us / n_kernels,
             "tb_s": nbytes / (us * 1e-6) / 1e12 if load else None}
 
 
