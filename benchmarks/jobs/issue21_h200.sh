@@ -103,8 +103,11 @@
 #      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
 #      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
 #   NEXT (for session 28, in this order; session 27 got an H100 once, then no machine): Y on an
-#      H200 (the book's figures at main's defaults, then re-plot chapters 01 / 05 / 08 / 10),
-#      then AG, then AT (either GPU).
+#      H200 (the book's figures at main's defaults; copy its JSON into benchmarks/results/ with
+#      git_commit set, then re-plot: the chapters pick the newest H200 JSON by what is inside it,
+#        jupyter nbconvert --to notebook --execute --inplace notebooks/0{1,5,8}_*.ipynb \
+#          notebooks/10_*.ipynb && python scripts/make_clean_notebooks.py
+#      ), then AG, then AT (either GPU).
 #   EM (session 26) attention's step metadata (request, lengths, the token's angles and slot)
 #      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
