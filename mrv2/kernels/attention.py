@@ -35,6 +35,7 @@ from mrv2.kernels.attention_tile import (  # noqa: F401 (book)
     _LOG2E,
     _attend_tile,
     _attend_tile_body,
+    query_range_body,
     request_meta_body,
     split_key_range_body,
 )
@@ -197,16 +198,14 @@ def _merge_splits_kernel(
     # Program = (request, query token of the request, head).
     b, qi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if EARLY_META:  # step metadata: before the wait (EARLY_META)
-        q_start = tl.load(query_start_loc_ptr + b, cache_modifier=".cg")
-        q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=".cg") - q_start
+        q_start, q_len = query_range_body(query_start_loc_ptr, b, ".cg")
     # NOTE: with PDL the parts come from the kernel before: wait first, then let the next
     # kernel launch (mrv2/kernels/pdl.py); every program, before any early return.
     if PDL and GDC_CALLS:
         gdc_wait()
         gdc_launch_dependents()
     if not EARLY_META:
-        q_start = tl.load(query_start_loc_ptr + b)
-        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+        q_start, q_len = query_range_body(query_start_loc_ptr, b, "")
     if qi >= q_len:
         return
     tok = q_start + qi

@@ -5,7 +5,8 @@ several KV heads a program) both walk a request's keys a ``BLOCK_N`` tile at a t
 the block table and fold each tile into a running (max, sum, weighted values) in fp32: this
 is that step, once. ``split_key_range`` is the keys one split of a request reads, for
 ``paged_attention``'s and ``decode_attention``'s kernels alike; ``request_meta`` a program's
-request and its lengths (before the PDL wait with ``attention.EARLY_META``); ``prefetch_keys_l2`` brings
+request and its lengths (before the PDL wait with ``attention.EARLY_META``), ``query_range``
+the query part of them (the split merge's); ``prefetch_keys_l2`` brings
 a key range's cached rows into L2 (``prefetch.global.L2``, PTX only) before a PDL wait. See
 ``mrv2/kernels/attention.py`` for the layout of their arguments.
 """
@@ -87,17 +88,26 @@ split_key_range_body = interpreter_body(split_key_range)
 
 
 @triton.jit
+def query_range(query_start_loc_ptr, b, CACHE: tl.constexpr):
+    # Request b's first new token and query length. CACHE=".cg": through L2 only, for loads
+    # issued before the PDL wait (attention.EARLY_META).
+    q_start = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
+    return q_start, tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - q_start
+
+
+query_range_body = interpreter_body(query_range)
+
+
+@triton.jit
 def request_meta(req_order_ptr, query_start_loc_ptr, seq_lens_ptr, HAS_ORDER: tl.constexpr,
                  CACHE: tl.constexpr):
     # This program's request b (req_order's slot with HAS_ORDER, else program_id(0)), its
-    # first new token, query length and seq_len. CACHE=".cg": through L2 only, for loads
-    # issued before the PDL wait (attention.EARLY_META).
+    # first new token, query length (query_range) and seq_len; CACHE as there.
     if HAS_ORDER:
         b = tl.load(req_order_ptr + tl.program_id(0), cache_modifier=CACHE)
     else:
         b = tl.program_id(0)
-    q_start = tl.load(query_start_loc_ptr + b, cache_modifier=CACHE)
-    q_len = tl.load(query_start_loc_ptr + b + 1, cache_modifier=CACHE) - q_start
+    q_start, q_len = query_range_body(query_start_loc_ptr, b, CACHE)
     return b, q_start, q_len, tl.load(seq_lens_ptr + b, cache_modifier=CACHE)
 
 
