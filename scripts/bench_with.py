@@ -15,7 +15,7 @@ overrides the fused decode attention's launch (``decode_attention.pick_config``)
 ``lo``-``hi`` requests: ``block_n``, ``num_splits`` (capped at the key tiles, as the table's
 are), and optionally ``num_warps`` / ``num_stages``; ``--paged-launch JSON`` does the same for
 ``paged_attention``'s decode launches (``lo``-``hi`` requests; ``block_n``, ``num_splits``,
-``num_warps``, ``num_stages``: the batch-256 step's attention). Session 14's jobs 14C and 14D ran
+``num_warps``, ``num_stages``, ``kv_fold``: the batch-256 step's attention). Session 14's jobs 14C and 14D ran
 through this (their JSON notes say which knobs).
 """
 
@@ -72,14 +72,15 @@ def override_decode_launch(spec: dict) -> None:
     decode_attention.pick_config = pick
 
 
-PAGED_KEYS = ("block_n", "num_splits", "num_warps", "num_stages")
+PAGED_KEYS = ("block_n", "num_splits", "num_warps", "num_stages", "kv_fold")
 
 
 def override_paged_launch(spec: dict) -> None:
     """Patch ``attention._pick_config`` for decode launches (``max_query_len`` 1) of
     ``spec["lo"]``-``spec["hi"]`` requests: any of ``PAGED_KEYS`` (paged attention's large
-    decode batches; the fused kernel's <= 32 go through ``--decode-launch``)."""
-    from mrv2.kernels import attention
+    decode batches; the fused kernel's <= 32 go through ``--decode-launch``). A ``kv_fold``
+    also sizes the program's query rows (``attention_table.fold_rows``)."""
+    from mrv2.kernels import attention, attention_table
     if not {"lo", "hi"} <= set(spec) or not set(spec) & set(PAGED_KEYS) \
             or set(spec) - {"lo", "hi", *PAGED_KEYS}:
         raise ValueError(f"--paged-launch needs lo, hi and some of {list(PAGED_KEYS)}, "
@@ -90,6 +91,8 @@ def override_paged_launch(spec: dict) -> None:
         cfg = orig(num_reqs, num_kv_heads, group_pad, max_query_len, max_seq_len, block_d)
         if max_query_len == 1 and spec["lo"] <= num_reqs <= spec["hi"]:
             attention.override_launch(cfg, {k: spec[k] for k in PAGED_KEYS if k in spec})
+            if "kv_fold" in spec:
+                attention_table.fold_rows(cfg, max_query_len, group_pad, num_kv_heads)
         return cfg
     attention._pick_config = pick
 

@@ -10,6 +10,11 @@ Writes every figure to ``benchmarks/results/`` and, with ``--write-table``, the 
     python scripts/sweep_decode_attention.py --write-table          # GPU, ~3-5 minutes
     python scripts/sweep_decode_attention.py --quick --write-table  # fewer candidates
     python scripts/sweep_decode_attention.py --smoke --out /tmp/s.json   # CPU, tiny
+    python scripts/sweep_decode_attention.py --fold --batches 64,256 --contexts 128,1024
+
+``--fold`` times the committed table's launch against launches that fold 2-8 KV heads of a
+request into one program (``attention_table.fold_rows``); a table written from it keeps the
+winner's ``kv_fold``.
 
 NOTE: at the smallest points (batch 1-4, short contexts) the KV cache fits in L2 and the
 graph replays hit it, so their fraction of copy bandwidth can pass 100%; the choice
@@ -42,10 +47,14 @@ from mrv2.kernels.attention_table import (
     GRID_BATCH,
     GRID_CONTEXT,
     TABLE_PATH,
+    choose_decode_config,
     heuristic_decode_config,
+    load_table,
     validate_table,
 )
 
+#: What a launch sets (a table entry's fields; ``kv_fold`` besides, when a fold won).
+LAUNCH_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 SPLITS = (1, 2, 4, 8, 16, 32)
 BLOCK_N = (32, 64, 128)
 WARPS_STAGES = ((2, 3), (2, 4), (4, 2), (4, 3), (8, 2))
@@ -55,6 +64,21 @@ QUICK = {"splits": (1, 2, 4, 8, 16), "block_n": (64, 128), "warps_stages": ((2, 
 #: 37.0 at 256 x 96): a small program (fewer registers, 242 -> fewer at 2 warps x 64 keys)
 #: fits more copies on an SM, which hides the latency of each one's page-table -> key chain.
 WIDE = {"block_n": (16, 32, 64, 128), "warps_stages": ((1, 2), (1, 3), (2, 3), (2, 4), (4, 2))}
+
+
+#: ``--fold``: KV heads a program, with small key tiles (a fold of 8 at 64 keys spills or
+#: overflows shared memory, ``scripts/occupancy_sm90.py``: 180-186 registers at 16 keys x 8
+#: warps, 1 program an SM; a fold of 2 at 16 keys x 8 warps 101, 2 an SM; 2048 -> 256-1024
+#: programs at batch 256). Split counts as ``--wide``'s.
+FOLD = {"kv_fold": (2, 4, 8), "block_n": (16, 32), "warps_stages": ((4, 2), (8, 2), (8, 3))}
+
+
+def fold_candidates(batch: int, ctx: int, table_cfg: dict) -> list[dict]:
+    """``--fold``'s launches at one point: the table's own first (the baseline), then folds."""
+    return [dict(table_cfg)] + [
+        {"num_splits": s, "block_n": n, "num_warps": w, "num_stages": st, "kv_fold": f}
+        for f in FOLD["kv_fold"] for s in wide_splits(batch) for n in FOLD["block_n"]
+        for w, st in FOLD["warps_stages"] if s <= triton.cdiv(ctx, n)]
 
 
 def wide_splits(batch: int) -> tuple[int, ...]:
@@ -91,7 +115,7 @@ def candidates(ctx: int, quick: bool, smoke: bool, wide_batch: int | None = None
 
 
 def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: float,
-                quick: bool, smoke: bool, wide: bool = False) -> dict:
+                quick: bool, smoke: bool, wide: bool = False, fold: bool = False) -> dict:
     """Time the candidates of one (batch, context); returns the best and the heuristic."""
     h, h_kv, d = shape
     q, kv_cache, md = decode_batch(b, ctx, h, h_kv, d, 16, dtype, seed=b + ctx)
@@ -101,7 +125,16 @@ def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: 
     heur = heuristic_decode_config(b, ctx, h_kv, _num_sms() if HAS_CUDA else 132)
     expected = paged_attention(q, kv_cache, md, scale, config=heur).float()
     timings = []
-    for cfg in candidates(ctx, quick, smoke, b if wide else None):
+    if fold:
+        table = load_table()
+        table_cfg = (choose_decode_config(b, ctx, h_kv, table) if table is not None
+                     else {k: heur[k] for k in LAUNCH_KEYS})
+        cands = fold_candidates(b, ctx, table_cfg)
+        if smoke:  # the CPU: two of them (head counts permitting)
+            cands = [cands[0]] + [c for c in cands[1:] if h_kv % c["kv_fold"] == 0][:1]
+    else:
+        cands = candidates(ctx, quick, smoke, b if wide else None)
+    for cfg in cands:
         try:
             us = _time_us(lambda cfg=cfg: paged_attention(q, kv_cache, md, scale, out,
                                                           config=cfg))
@@ -110,9 +143,10 @@ def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: 
             continue
         timings.append({**cfg, "us": us})
     best = min(timings, key=lambda t: t["us"])
-    cfg = {k: best[k] for k in ("num_splits", "block_n", "num_warps", "num_stages")}
+    cfg = {k: best[k] for k in (*LAUNCH_KEYS, "kv_fold") if k in best}
     err = (paged_attention(q, kv_cache, md, scale, config=cfg).float() - expected).abs().max()
-    heur_us = next((t["us"] for t in timings if all(t[k] == heur[k] for k in heur)), None)
+    heur_us = next((t["us"] for t in timings if all(t.get(k) == heur[k] for k in heur)
+                    and t.get("kv_fold", 1) == 1), None)
     if heur_us is None:
         heur_us = _time_us(lambda: paged_attention(q, kv_cache, md, scale, out, config=heur))
     tbs = kv_bytes / (best["us"] * 1e-6) / 1e12
@@ -129,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer candidate launches")
     ap.add_argument("--wide", action="store_true",
                     help="16-key tiles and one-warp launches too (splits by batch size)")
+    ap.add_argument("--fold", action="store_true",
+                    help="the table's launch against folds of 2-8 KV heads a program")
     ap.add_argument("--batches", default=None, help="comma list (default: the table's grid)")
     ap.add_argument("--contexts", default=None, help="comma list (default: the table's grid)")
     ap.add_argument("--update-table", action="store_true",
@@ -157,10 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
         if time.perf_counter() - t0 > args.max_seconds:
             print(f"time budget spent: b={b} ctx={c} and later keep the heuristic")
             break
-        p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke, args.wide)
+        p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke, args.wide,
+                        args.fold)
         points.append(p)
         print(f"b={b:>4} ctx={c:>5} best splits={p['num_splits']:>2} block_n={p['block_n']:>3} "
-              f"warps={p['num_warps']} stages={p['num_stages']} {p['us']:8.1f} us "
+              f"warps={p['num_warps']} stages={p['num_stages']} fold={p.get('kv_fold', 1)} "
+              f"{p['us']:8.1f} us "
               f"{100 * p['frac_of_copy']:5.0f}% of copy (heuristic {p['heuristic_us']:.1f} us)",
               flush=True)
     date = datetime.datetime.now(datetime.timezone.utc)
@@ -189,13 +227,16 @@ def main(argv: list[str] | None = None) -> dict:
                 if p is None and (b, c) in old:
                     entries.append(old[(b, c)])
                     continue
-                cfg = ({k: p[k] for k in ("num_splits", "block_n", "num_warps", "num_stages")}
+                cfg = ({k: p[k] for k in (*LAUNCH_KEYS, "kv_fold") if k in p}
                        if p else heuristic_decode_config(b, c, shape[1], num_sms))
+                if cfg.get("kv_fold") == 1:
+                    del cfg["kv_fold"]
                 entries.append({"batch": b, "context": c, **cfg,
                                 **({"us": round(p["us"], 2),
                                     "frac_of_copy": round(p["frac_of_copy"], 3)} if p else {})})
         source = (f"scripts/sweep_decode_attention.py, {hw}, {date:%Y-%m-%d}, "
-                  f"{len(points)} points swept" + (" --wide" if args.wide else ""))
+                  f"{len(points)} points swept" + (" --wide" if args.wide else "")
+                  + (" --fold" if args.fold else ""))
         if old:
             source += f"; the other points from the previous table ({old_table['source']})"
         table = validate_table({"source": source,

@@ -28,6 +28,7 @@ from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import decode_heads, pdl
 from mrv2.kernels.attention_table import (
     choose_decode_config,
+    fold_rows,
     heuristic_decode_config,
     load_table,
 )
@@ -265,6 +266,7 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
         else:
             cfg.update(heuristic_decode_config(num_reqs, max_seq_len, num_kv_heads, _num_sms(),
                                                max_query_len, block_q))
+        fold_rows(cfg, max_query_len, group_pad, num_kv_heads)  # a table's kv_fold: its rows
         if max_query_len == 1:
             partition_launch(cfg, num_reqs, max_seq_len)
     return cfg
@@ -332,10 +334,8 @@ def override_launch(cfg: dict, overrides: dict) -> dict:
 #: the second the partial one, nothing overlaps. For a decode token (q_len 1) the causal mask
 #: is just ``key < seq_len``, so masking every tile costs a compare a key. Chosen per program
 #: at run time (``q_len == 1``): prefill programs of the same launch keep both loops.
-#: OFF, measured slower: at batch 256 and 96 keys attention took 1.27 ms a step with it and
-#: 1.21 without (H200, ``bench decode``, job 18B; ``scripts/bench_with.py --set
-#: mrv2.kernels.attention:DECODE_ONE_LOOP=true``). The interpreter always runs one loop
-#: (``_ONE_LOOP``); the tests run the GPU's two-loop form interpreted too.
+#: OFF, measured slower: at batch 256 and 96 keys, 1.27 ms a step with it, 1.21 without (H200,
+#: ``bench decode``, job 18B). The interpreter always runs one loop (``_ONE_LOOP``).
 DECODE_ONE_LOOP: bool = env_switch("MRV2_DECODE_ONE_LOOP", False)
 
 #: The step's metadata (request order, ``query_start_loc``, ``seq_lens``; in decode_attention
@@ -469,8 +469,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
                        block_d)
     cfg = override_launch(cfg, {**({} if num_splits is None else {"num_splits": num_splits}),
                                 **(config or {})})
+    if config and "kv_fold" in config:  # checked; the fold's rows unless block_q is given
+        fold_rows(cfg, md.max_query_len, group_pad, num_kv_heads, refit="block_q" not in config)
     splits = cfg["num_splits"]
-
     part_acc, part_ml = split_buffers(out, splits)
     kv_fold = cfg["kv_fold"]
     fp32 = q.dtype == torch.float32 or kv_cache.dtype == torch.float32

@@ -11,7 +11,8 @@ replay. Until a sweep is committed, the table holds what the hand-written heuris
 (``heuristic_decode_config``) chooses at each grid point on an H200 (132 SMs).
 
 A table is used only on a GPU with the SM count it was measured on; elsewhere the
-heuristic decides.
+heuristic decides. An entry may also carry ``kv_fold``: that many KV heads of a request in
+one program (``fold_rows`` sizes its query rows), swept with ``--fold``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ TABLE_PATH = pathlib.Path(__file__).resolve().parents[1] / "assets" / "attention
 GRID_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GRID_CONTEXT = (128, 256, 512, 1024, 2048, 4096)
 _KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
+#: tl.dot's smallest M: a decode program's rows (query tokens x folded KV heads x GQA group).
+MIN_ROWS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -80,6 +83,10 @@ def validate_table(table: dict) -> dict:
         if e["block_n"] & (e["block_n"] - 1) or e["block_n"] < 16:
             raise ValueError(f"attention table: entries[{i}].block_n must be a power of two "
                              f">= 16, got {e['block_n']}")
+        fold = e.get("kv_fold", 1)
+        if not isinstance(fold, int) or fold < 1 or fold & (fold - 1):
+            raise ValueError(f"attention table: entries[{i}].kv_fold must be a power of two "
+                             f">= 1, got {fold!r}")
     return table
 
 
@@ -108,7 +115,8 @@ def choose_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
         table: a table as ``load_table`` returns it.
 
     Returns:
-        ``{"num_splits", "block_n", "num_warps", "num_stages"}``.
+        ``{"num_splits", "block_n", "num_warps", "num_stages"}``, and ``kv_fold`` when the
+        entry has one (capped at the largest power of two dividing ``num_kv_heads``).
     """
     entries = {(e["batch"], e["context"]): e for e in table["entries"]}
     batches = sorted({b for b, _ in entries})
@@ -124,4 +132,35 @@ def choose_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
         e = entries[(b, c)]
     cfg = {k: e[k] for k in _KEYS}
     cfg["num_splits"] = max(1, min(cfg["num_splits"], _cdiv(max_seq_len, cfg["block_n"])))
+    if "kv_fold" in e:
+        cfg["kv_fold"] = min(e["kv_fold"], num_kv_heads & -num_kv_heads)
+    return cfg
+
+
+def fold_rows(cfg: dict, max_query_len: int, group_pad: int, num_kv_heads: int,
+              refit: bool = True) -> dict:
+    """``cfg`` (a decode launch, ``max_query_len <= 16``) with ``block_q`` sized for its
+    ``kv_fold``, in place: the fewest query tokens a program that still give ``tl.dot`` its
+    ``MIN_ROWS`` rows (``block_q * kv_fold * group_pad``), so a fold of 8 KV heads with a
+    GQA group of 2 takes one token (16 rows, all real) where one KV head takes 8 (2 real).
+
+    Why fold: a decode program per (request, KV head) reads one head's 256-byte slice of
+    each cached token and repeats the request's metadata and page numbers per head; a
+    program of ``kv_fold`` heads reads ``kv_fold`` slices side by side (one contiguous run
+    per token with the cache's [page, token, head, dim] layout) and the metadata once. The
+    query is block-diagonal over the folded heads (``attention.py``), so the scores stay
+    exact per head; P @ V computes every folded head's columns for every row and stores
+    only a row's own (``kv_fold`` times the MMA work of a memory-bound kernel). With
+    ``refit`` False (a caller's own ``block_q``) it only checks the fold.
+
+    Raises:
+        ValueError: ``kv_fold`` is not a power of two dividing ``num_kv_heads``.
+    """
+    fold = cfg.get("kv_fold", 1)
+    if fold < 1 or fold & (fold - 1) or num_kv_heads % fold:
+        raise ValueError(f"kv_fold {fold} must be a power of two dividing num_kv_heads "
+                         f"({num_kv_heads})")
+    if refit and fold > 1 and max_query_len <= 16:
+        q_pow2 = 1 << max(0, max_query_len - 1).bit_length()      # next power of two
+        cfg["block_q"] = max(q_pow2, MIN_ROWS // (group_pad * fold), 1)
     return cfg
