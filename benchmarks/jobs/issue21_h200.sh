@@ -102,12 +102,13 @@
 #   QKV (session 25, for later) TPOT b24 / b32 with qkv staged at 17-32 rows (small_m_staged.
 #      KIND_MAX_M: attention's programs fit beside it), with and without attention's first-tile
 #      prefetch up to 32 requests (fresh processes, ROUNDS default 1), ~2.5 min
-#   NEXT (for session 28, in this order; session 27 got an H100 once, then no machine): Y on an
-#      H200 (the book's figures at main's defaults; copy its JSON into benchmarks/results/ with
-#      git_commit set, then re-plot: the chapters pick the newest H200 JSON by what is inside it,
+#   NEXT (for session 29, in this order; sessions 27-28 got no H200, 28 no machine at all): Y
+#      on an H200 (the book's figures at main's defaults; copy its JSON into benchmarks/results/
+#      with git_commit set, then re-plot: the chapters pick the newest H200 JSON by what is
+#      inside it,
 #        jupyter nbconvert --to notebook --execute --inplace notebooks/0{1,5,8}_*.ipynb \
 #          notebooks/10_*.ipynb && python scripts/make_clean_notebooks.py
-#      ), then AG, then AT (either GPU).
+#      ), then AF, AG (either GPU); AF2 only if a fold won in AF; then AT.
 #   EM (session 26) attention's step metadata (request, lengths, the token's angles and slot)
 #      loaded before the PDL wait and the new token's k / v beside q (attention.EARLY_META, on):
 #      the attention GPU tests, the sync-debug loop, then bench decode at 1-32 (192 keys) and
@@ -126,6 +127,14 @@
 #      96% (bench_attention, 256 x 1,024, randomly permuted pages): the kernel alone, then bench
 #      decode at 256 x 768 / 1,024 with main's defaults, with PDL off, and with the longest-first
 #      order off (per-layer attention us against the lone kernel's), ~4 min
+#   AF (session 28, not yet run) folded KV heads (attention_table.fold_rows: kv_fold heads of a
+#      request in one program, reading each token's heads as one contiguous run, the metadata
+#      and page numbers once; 2,048 -> 256-1,024 programs at batch 256): the fold GPU tests,
+#      the isolated sweep (the table's launch against folds of 2 / 4 / 8 at 64-256 requests and
+#      128-1,024 keys), then bench decode in the model at 256 x 96 / 768 with a fold of 8 and
+#      of 2 (16 keys x 8 warps: 180 / 101 registers offline) against main's launch (~7 min)
+#   AF2 (session 28) the standard and host-bound workloads with AF's winner (FOLD='<the JSON
+#      of its --paged-launch>') against main, fresh processes (~5 min)
 #   AT (session 27) the fused RoPE + attention kernel for decode steps of up to 48 / 64 tokens
 #      (decode_attention.MAX_TOKENS; job 27Z: -3.3% decode GPU ms at b48, flat at b64): bench
 #      decode b40 / b48, then the standard workload, fresh processes (~4 min)
@@ -385,12 +394,35 @@ PF)
   py scripts/probe_weight_stream_chain.py --blocks 4096,8192 --prefetch line,bulk --ahead 1,2 \
      --out "$OUT/probe_weight_stream_prefetch.json"
   ;;
+AF)
+  py -m pytest -q tests/test_attention_fold.py
+  py scripts/sweep_decode_attention.py --fold --batches 64,128,256 --contexts 128,512,1024 \
+     --max-seconds 200 --out "$OUT/attention_decode_sweep_fold.json"
+  F8='{"lo":64,"hi":512,"kv_fold":8,"block_n":16,"num_warps":8,"num_stages":2}'
+  F2='{"lo":64,"hi":512,"kv_fold":2,"block_n":16,"num_warps":8,"num_stages":2}'
+  py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_fold_processes.json" \
+     --variant default= --variant fold8="--paged-launch '$F8'" --variant fold2="--paged-launch '$F2'" \
+     -- bench decode --batch-sizes 256 --contexts 96,768 --max-model-len 1280
+  ;;
+AF2)
+  for wl in host-bound standard; do
+    py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/bench_${wl}_fold_processes.json" \
+       --variant default= --variant fold="--paged-launch '${FOLD:?set FOLD to the JSON of the AF winner}'" \
+       -- bench throughput --workload $wl --runner v2
+  done
+  ;;
 AG)
+  # the SM / memory clocks, power and throttle reasons every 200 ms through the part (is the
+  # model's attention slower than the lone kernel's because the GPU runs slower there?)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active \
+     --format=csv -lms 200 > "$OUT/ag_clocks.csv" 2>&1 & SMI=$!
   py scripts/bench_attention.py --no-ref --out "$OUT/attention_decode_alone.json"
   DEC="bench decode --batch-sizes 256 --contexts 768,1024 --max-model-len 1280"
   py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long.json"
   MRV2_PDL=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_pdl-off.json"
   MRV2_ATTENTION_ORDER=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_order-off.json"
+  MRV2_ATTENTION_EARLY_META=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_meta-off.json"
+  kill $SMI
   ;;
 AT)
   A48="--set $DA:MAX_TOKENS=48"
@@ -429,5 +461,5 @@ K)
      --out "$OUT/decode_steps_hostbound_shape.json"
   bash "$0" H
   ;;
-*) echo "unknown part $part (A-Z, QKV, EM, EM2, EM3, EM4)"; exit 2 ;;
+*) echo "unknown part $part (A-Z, QKV, EM, EM2, EM3, EM4, PF, AF, AF2, AG, AT)"; exit 2 ;;
 esac
