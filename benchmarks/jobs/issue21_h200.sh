@@ -396,7 +396,7 @@ PF)
   ;;
 AF)
   py -m pytest -q tests/test_attention_fold.py
-  py scripts/sweep_decode_attention.py --fold --batches 64,128,256 --contexts 128,512,1024 \
+  py scripts/sweep_decode_attention.py --fold --batches 256,128,64 --contexts 128,512,1024 \
      --max-seconds 200 --out "$OUT/attention_decode_sweep_fold.json"
   F8='{"lo":64,"hi":512,"kv_fold":8,"block_n":16,"num_warps":8,"num_stages":2}'
   F2='{"lo":64,"hi":512,"kv_fold":2,"block_n":16,"num_warps":8,"num_stages":2}'
