@@ -63,10 +63,19 @@ def copy_bandwidth_tbs(smoke: bool) -> float:
 
 
 def decode_batch(num_reqs: int, ctx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, seed: int = 0):
-    """Random decode batch: every request has ctx cached tokens (its new one included)."""
+                 block_size: int, dtype: torch.dtype, seed: int = 0, spread: float = 0.0):
+    """Random decode batch: every request has ctx cached tokens (its new one included), or
+    with ``spread`` in (0, 1) a context drawn uniformly from [(1 - spread) ctx, (1 + spread)
+    ctx] (a mix, as a workload's batches are: the longest request's programs end last)."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
+    lens = torch.full((num_reqs,), ctx, dtype=torch.int32)
+    if spread > 0:
+        lo, hi = max(1, round(ctx * (1 - spread))), round(ctx * (1 + spread))
+        lens = torch.randint(lo, hi + 1, (num_reqs,), dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(seed))
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    blocks_per_req = triton.cdiv(ctx, block_size)
+    blocks_per_req = triton.cdiv(int(lens.max()), block_size)
     num_blocks = num_reqs * blocks_per_req
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g,
                            device=DEVICE, dtype=dtype)
@@ -76,10 +85,10 @@ def decode_batch(num_reqs: int, ctx: int, num_heads: int, num_kv_heads: int, hea
     q = torch.randn(num_reqs, num_heads, head_dim, generator=g, device=DEVICE, dtype=dtype)
     md = AttentionMetadata(
         query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.full((num_reqs,), ctx, dtype=torch.int32, device=DEVICE),
+        seq_lens=lens.to(DEVICE),
         block_table=block_table,
         slot_mapping=torch.zeros(num_reqs, dtype=torch.int64, device=DEVICE),
-        max_query_len=1, max_seq_len=ctx)
+        max_query_len=1, max_seq_len=int(lens.max()))
     return q, kv_cache, md
 
 

@@ -115,19 +115,21 @@ def candidates(ctx: int, quick: bool, smoke: bool, wide_batch: int | None = None
 
 
 def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: float,
-                quick: bool, smoke: bool, wide: bool = False, fold: bool = False) -> dict:
-    """Time the candidates of one (batch, context); returns the best and the heuristic."""
+                quick: bool, smoke: bool, wide: bool = False, fold: bool = False,
+                spread: float = 0.0) -> dict:
+    """Time the candidates of one (batch, context); returns the best and the heuristic.
+    ``spread``: contexts mixed around ``ctx`` (``bench_attention.decode_batch``)."""
     h, h_kv, d = shape
-    q, kv_cache, md = decode_batch(b, ctx, h, h_kv, d, 16, dtype, seed=b + ctx)
-    kv_bytes = b * ctx * h_kv * d * 2 * kv_cache.element_size()
+    q, kv_cache, md = decode_batch(b, ctx, h, h_kv, d, 16, dtype, seed=b + ctx, spread=spread)
+    kv_bytes = int(md.seq_lens.sum()) * h_kv * d * 2 * kv_cache.element_size()
     out = torch.empty_like(q)
     scale = d ** -0.5
-    heur = heuristic_decode_config(b, ctx, h_kv, _num_sms() if HAS_CUDA else 132)
+    heur = heuristic_decode_config(b, md.max_seq_len, h_kv, _num_sms() if HAS_CUDA else 132)
     expected = paged_attention(q, kv_cache, md, scale, config=heur).float()
     timings = []
     if fold:
         table = load_table()
-        table_cfg = (choose_decode_config(b, ctx, h_kv, table) if table is not None
+        table_cfg = (choose_decode_config(b, md.max_seq_len, h_kv, table) if table is not None
                      else {k: heur[k] for k in LAUNCH_KEYS})
         cands = fold_candidates(b, ctx, table_cfg)
         if smoke:  # the CPU: two of them (head counts permitting)
@@ -150,7 +152,7 @@ def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: 
     if heur_us is None:
         heur_us = _time_us(lambda: paged_attention(q, kv_cache, md, scale, out, config=heur))
     tbs = kv_bytes / (best["us"] * 1e-6) / 1e12
-    return {"batch": b, "context": ctx, **cfg, "us": best["us"], "kv_bytes": kv_bytes,
+    return {"batch": b, "context": ctx, "spread": spread, **cfg, "us": best["us"], "kv_bytes": kv_bytes,
             "tbs": tbs, "frac_of_copy": tbs / copy_tbs, "heuristic": heur,
             "heuristic_us": heur_us, "max_abs_diff_vs_heuristic": float(err),
             "timings": timings}
@@ -165,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="16-key tiles and one-warp launches too (splits by batch size)")
     ap.add_argument("--fold", action="store_true",
                     help="the table's launch against folds of 2-8 KV heads a program")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="contexts mixed uniformly in [(1-S) ctx, (1+S) ctx] (0: all ctx)")
     ap.add_argument("--batches", default=None, help="comma list (default: the table's grid)")
     ap.add_argument("--contexts", default=None, help="comma list (default: the table's grid)")
     ap.add_argument("--update-table", action="store_true",
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"time budget spent: b={b} ctx={c} and later keep the heuristic")
             break
         p = sweep_point(b, c, shape, dtype, copy_tbs, args.quick, args.smoke, args.wide,
-                        args.fold)
+                        args.fold, args.spread)
         points.append(p)
         print(f"b={b:>4} ctx={c:>5} best splits={p['num_splits']:>2} block_n={p['block_n']:>3} "
               f"warps={p['num_warps']} stages={p['num_stages']} fold={p.get('kv_fold', 1)} "
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"benchmark": "decode attention launch sweep", "hardware": hw,
               "torch": torch.__version__, "triton": triton.__version__,
               "date": date.isoformat(timespec="seconds"), "smoke": args.smoke,
+              "fold": args.fold, "spread": args.spread,
               "shape": {"num_heads": shape[0], "num_kv_heads": shape[1], "head_dim": shape[2],
                         "block_size": 16}, "copy_tbs": copy_tbs, "points": points}
     out = pathlib.Path(args.out or ROOT / "benchmarks" / "results" /
@@ -236,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                                     "frac_of_copy": round(p["frac_of_copy"], 3)} if p else {})})
         source = (f"scripts/sweep_decode_attention.py, {hw}, {date:%Y-%m-%d}, "
                   f"{len(points)} points swept" + (" --wide" if args.wide else "")
-                  + (" --fold" if args.fold else ""))
+                  + (" --fold" if args.fold else "")
+                  + (f" --spread {args.spread}" if args.spread else ""))
         if old:
             source += f"; the other points from the previous table ({old_table['source']})"
         table = validate_table({"source": source,

@@ -153,3 +153,21 @@ def test_folded_decode_bf16_cuda(fold):
                    "num_stages": stages, "num_splits": splits}
             got = paged_attention(q, kv_cache, md, 128 ** -0.5, config=cfg)
             torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_mixed_context_batch_for_the_sweeps():
+    """``bench_attention.decode_batch(spread=...)``: contexts drawn around ``ctx`` (bounds
+    kept, ``max_seq_len`` the longest), the same batch for a seed; 0 keeps one context."""
+    ba = load_script("bench_attention")
+    q, kv, md = ba.decode_batch(64, 40, 4, 2, 16, 16, torch.float32, seed=3, spread=0.5)
+    lens = md.seq_lens.tolist()
+    assert min(lens) >= 20 and max(lens) <= 60 and len(set(lens)) > 10
+    assert md.max_seq_len == max(lens) and md.block_table.shape[1] == -(-max(lens) // 16)
+    again = ba.decode_batch(64, 40, 4, 2, 16, 16, torch.float32, seed=3, spread=0.5)[2]
+    assert again.seq_lens.tolist() == lens
+    assert set(ba.decode_batch(4, 40, 4, 2, 16, 16, torch.float32)[2].seq_lens.tolist()) == {40}
+    with pytest.raises(ValueError, match="spread must be in"):
+        ba.decode_batch(4, 40, 4, 2, 16, 16, torch.float32, spread=1.0)
+    expected = paged_attention_ref(q, kv, md, 0.25)
+    got = paged_attention(q, kv, md, 0.25, config={"kv_fold": 2, "block_n": 16})
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

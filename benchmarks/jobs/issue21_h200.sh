@@ -131,7 +131,7 @@
 #      request in one program, reading each token's heads as one contiguous run, the metadata
 #      and page numbers once; 2,048 -> 256-1,024 programs at batch 256): the fold GPU tests,
 #      the isolated sweep (the table's launch against folds of 2 / 4 / 8 at 64-256 requests and
-#      128-1,024 keys), then bench decode in the model at 256 x 96 / 768 with a fold of 8 and
+#      128-1,024 keys, then at mixed contexts: --spread 0.9), then bench decode in the model at 256 x 96 / 768 with a fold of 8 and
 #      of 2 (16 keys x 8 warps: 180 / 101 registers offline) against main's launch (~7 min)
 #   AF2 (session 28) the standard and host-bound workloads with AF's winner (FOLD='<the JSON
 #      of its --paged-launch>') against main, fresh processes (~5 min)
@@ -398,6 +398,10 @@ AF)
   py -m pytest -q tests/test_attention_fold.py
   py scripts/sweep_decode_attention.py --fold --batches 256,128,64 --contexts 128,512,1024 \
      --max-seconds 200 --out "$OUT/attention_decode_sweep_fold.json"
+  # the same at mixed contexts (0.1x-1.9x the point's; a fold makes a long request's program
+  # kv_fold times longer, which a uniform batch never shows)
+  py scripts/sweep_decode_attention.py --fold --spread 0.9 --batches 256,128 --contexts 96,768 \
+     --max-seconds 100 --out "$OUT/attention_decode_sweep_fold_mixed.json"
   F8='{"lo":64,"hi":512,"kv_fold":8,"block_n":16,"num_warps":8,"num_stages":2}'
   F2='{"lo":64,"hi":512,"kv_fold":2,"block_n":16,"num_warps":8,"num_stages":2}'
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_fold_processes.json" \
