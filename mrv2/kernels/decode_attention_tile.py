@@ -7,7 +7,8 @@ split) of a decode step; these are its steps, in the order it takes them:
 * ``_token_meta``: the token's RoPE angles and cache slot (with ``attention.EARLY_META``
   loaded before the PDL wait: no kernel of the current step writes them);
 * ``_new_token_kv``: the token's raw k and v from the qkv projection;
-* ``_norm_rope``: q/k-norm and RoPE of a few heads, as the two halves RoPE pairs;
+* ``_norm_rope``: q/k-norm and RoPE of a few heads, as the two halves RoPE pairs
+  (``rotary``'s, whose ``qk_norm_rope`` does the same arithmetic; re-exported here);
 * ``_load_key_tile`` and ``_attend_key_tile``: one tile of cached keys through the block
   table, then folded into the online softmax.
 
@@ -20,22 +21,8 @@ import triton
 import triton.language as tl
 
 from mrv2.kernels.attention_tile import request_meta_body, split_key_range_body
-from mrv2.kernels.layernorm import row_sum
+from mrv2.kernels.rotary import _norm_rope, _norm_rope_body  # noqa: F401 (re-exported)
 from mrv2.platform import interpreter_body
-
-
-@triton.jit
-def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
-               USE_NORM: tl.constexpr, DT: tl.constexpr):
-    # [R, BH] fp32 halves of R heads -> normed (rounded to DT, as the unfused norm writes
-    # them) and rotated halves, rounded to DT (as qk_norm_rope stores them).
-    if USE_NORM:
-        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
-        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(DT).to(tl.float32)
-        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(DT).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
 
 
 @triton.jit
@@ -118,7 +105,6 @@ def _new_token_kv(qkv_ptr, t, kh, stride_xt, c, has_new, NUM_Q_HEADS: tl.constex
 
 
 # NOTE: the interpreter re-patches triton.language at every jit-helper call: plain bodies.
-_norm_rope_body = interpreter_body(_norm_rope)
 _request_range_body = interpreter_body(_request_range)
 _load_key_tile_body = interpreter_body(_load_key_tile)
 _attend_key_tile_body = interpreter_body(_attend_key_tile)

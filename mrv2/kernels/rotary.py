@@ -75,6 +75,35 @@ def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
+def _qk_norm(x1, x2, w_ptr, c, c_ok, eps, HALF: tl.constexpr, USE_NORM: tl.constexpr,
+             DT: tl.constexpr):
+    # [R, BH] fp32 halves of R heads -> RMS-normed over the whole head (weight in fp32),
+    # rounded to DT as the unfused norm writes them, back in fp32; unchanged without USE_NORM.
+    if USE_NORM:
+        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)  # [R]
+        w1 = tl.load(w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)             # [BH]
+        w2 = tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(DT).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(DT).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
+    # Rotate-half RoPE of [R, BH] fp32 halves by cos, sin ([1, BH] or [R, BH]), rounded to
+    # DT (as qk_norm_rope stores them).
+    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, c, c_ok, cos, sin, eps, HALF: tl.constexpr,
+               USE_NORM: tl.constexpr, DT: tl.constexpr):
+    # Both at once, for a caller that has its angles already (decode_attention's q and k).
+    x1, x2 = _qk_norm_body(x1, x2, w_ptr, c, c_ok, eps, HALF, USE_NORM, DT)
+    return _rotate_body(x1, x2, cos, sin, DT)
+
+
+@triton.jit
 def _cache_rows(slot_mapping_ptr, tok, r, row_ok, c, stride_cb, stride_co,
                 NUM_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr):
     # Where rows (token, head) of a tile go in a paged cache [.., blocks, PAGE, H, 2 HALF]
@@ -108,14 +137,12 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
 
-    # q/k-norm over the whole head, weight in fp32, then rounded to the input dtype as the
-    # unfused norm's output is before RoPE reads it.
-    if USE_NORM:
-        rstd = tl.math.rsqrt(row_sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * rstd[:, None]) * w1[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * rstd[:, None]) * w2[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # q/k-norm, rounded to the input dtype as the unfused norm's output is before RoPE
+    # reads it.
+    # NOTE: not _norm_rope (angles first): cos and sin live across the norm's reduction
+    # took the USE_NORM kernel from 40 to 48 / 55 (WRITE_KV) registers (Triton 3.6, sm_90).
+    dt = x_ptr.dtype.element_ty
+    x1, x2 = _qk_norm_body(x1, x2, w_ptr, c, c < HALF, eps, HALF, USE_NORM, dt)
 
     # The angles: cos and sin are the two halves of the token's cache row.
     if BLOCK_T == 1:  # GPU: one token, one row of angles broadcast over its heads
@@ -131,8 +158,7 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, positions_ptr, cos_sin_ptr, pid,
     # Rotate, round to the input dtype (as the unfused output is), and store: into the
     # contiguous output (row (token, head) is row r of this tile), or into the token's
     # slot of the paged KV cache, in the cache's dtype.
-    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    y1, y2 = _rotate_body(x1, x2, cos, sin, dt)
     if TO_CACHE:
         off, ok = _cache_rows_body(slot_mapping_ptr, tok, r, row_ok, c, stride_cb, stride_co,
                                    NUM_HEADS, HALF, PAGE_SIZE)
@@ -167,6 +193,9 @@ def _copy_v_heads(v_ptr, cache_ptr, slot_mapping_ptr, pid, num_tokens, stride_vt
 
 # NOTE: under the interpreter every call of a @triton.jit helper re-patches triton.language
 # (~1.5 ms a call); the kernel calls the helper's plain Python body there (see attention.py).
+_qk_norm_body = interpreter_body(_qk_norm)
+_rotate_body = interpreter_body(_rotate)
+_norm_rope_body = interpreter_body(_norm_rope)
 _cache_rows_body = interpreter_body(_cache_rows)
 _norm_rope_heads_body = interpreter_body(_norm_rope_heads)
 _copy_v_heads_body = interpreter_body(_copy_v_heads)
