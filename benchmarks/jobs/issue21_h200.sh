@@ -131,8 +131,9 @@
 #      request in one program, reading each token's heads as one contiguous run, the metadata
 #      and page numbers once; 2,048 -> 256-1,024 programs at batch 256): the fold GPU tests,
 #      the isolated sweep (the table's launch against folds of 2 / 4 / 8 at 64-256 requests and
-#      128-1,024 keys, then at mixed contexts: --spread 0.9), then bench decode in the model at 256 x 96 / 768 with a fold of 8 and
-#      of 2 (16 keys x 8 warps: 180 / 101 registers offline) against main's launch (~7 min)
+#      128-1,024 keys, then at mixed contexts: --spread 0.9), then bench decode in the model at
+#      256 x 96 / 768 with the sweep's fastest fold at 256 x 128 and at 256 x 1,024 against
+#      main's launch (~8 min)
 #   AF2 (session 28) the standard and host-bound workloads with AF's winner (FOLD='<the JSON
 #      of its --paged-launch>') against main, fresh processes (~5 min)
 #   AT (session 27) the fused RoPE + attention kernel for decode steps of up to 48 / 64 tokens
@@ -402,10 +403,21 @@ AF)
   # kv_fold times longer, which a uniform batch never shows)
   py scripts/sweep_decode_attention.py --fold --spread 0.9 --batches 256,128 --contexts 96,768 \
      --max-seconds 100 --out "$OUT/attention_decode_sweep_fold_mixed.json"
-  F8='{"lo":64,"hi":512,"kv_fold":8,"block_n":16,"num_warps":8,"num_stages":2}'
-  F2='{"lo":64,"hi":512,"kv_fold":2,"block_n":16,"num_warps":8,"num_stages":2}'
+  # the in-model launches: the sweep's fastest fold at 256 x 128 and at 256 x 1,024 (offline
+  # guesses if the sweep did not get there: 16 keys x 8 warps x 3 stages, whose page loads
+  # are cp.async too; 2 stages loads them synchronously, PTX)
+  best() { python3 -c 'import json, sys
+pts = [p for p in json.load(open(sys.argv[1]))["points"]
+       if (p["batch"], p["context"]) == (256, int(sys.argv[2]))]
+t = min((t for p in pts for t in p["timings"] if t.get("kv_fold", 1) > 1), key=lambda t: t["us"])
+print(json.dumps({"lo": 64, "hi": 512, **{k: t[k] for k in ("kv_fold", "block_n", "num_warps",
+                  "num_stages", "num_splits")}}))' "$OUT/attention_decode_sweep_fold.json" $1 2>/dev/null \
+    || echo "$2"; }
+  FS=$(best 128 '{"lo":64,"hi":512,"kv_fold":8,"block_n":16,"num_warps":8,"num_stages":3}')
+  FL=$(best 1024 '{"lo":64,"hi":512,"kv_fold":2,"block_n":16,"num_warps":8,"num_stages":3}')
+  echo "in-model folds: short $FS, long $FL" | tee -a "$OUT/log_$part.txt"
   py scripts/bench_processes.py --rounds ${ROUNDS:-1} --out "$OUT/decode_steps_fold_processes.json" \
-     --variant default= --variant fold8="--paged-launch '$F8'" --variant fold2="--paged-launch '$F2'" \
+     --variant default= --variant fold_short="--paged-launch '$FS'" --variant fold_long="--paged-launch '$FL'" \
      -- bench decode --batch-sizes 256 --contexts 96,768 --max-model-len 1280
   ;;
 AF2)
