@@ -204,3 +204,23 @@ def test_fixed_key_partitions_without_a_sync_or_a_change(monkeypatch):
     assert cfg["part_tiles"] > 0 and cfg["num_splits"] == 4
     _greedy_unsynced_equals_plain(
         kw, 44, 8, (3, 300), lambda: monkeypatch.setattr(attention, "DECODE_PARTITIONS", []))
+
+
+def test_folded_kv_heads_without_a_sync_or_a_change(monkeypatch):
+    """Paged attention's decode launches of 33+ requests with both KV heads of the embedded
+    model in one program (``kv_fold`` 2, ``attention_table.fold_rows``' rows), mixed
+    contexts, in the captured graphs: the step loop stays free of syncs and the fp32 greedy
+    tokens equal those of the runner without the fold."""
+    from script_loader import load_script
+
+    from mrv2.kernels import attention
+
+    kw = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 48, "seed": 0}
+    plain_pick = attention._pick_config
+    monkeypatch.setattr(attention, "_pick_config", plain_pick)  # restored after the test
+    load_script("bench_with").override_paged_launch(
+        {"lo": 33, "hi": 256, "kv_fold": 2, "block_n": 16, "num_warps": 4, "num_stages": 3})
+    cfg = attention._pick_config(40, 2, 2, 1, 512)
+    assert (cfg["kv_fold"], cfg["block_q"]) == (2, 4)
+    _greedy_unsynced_equals_plain(
+        kw, 44, 8, (3, 300), lambda: monkeypatch.setattr(attention, "_pick_config", plain_pick))

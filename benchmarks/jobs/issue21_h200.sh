@@ -396,7 +396,7 @@ PF)
      --out "$OUT/probe_weight_stream_prefetch.json"
   ;;
 AF)
-  py -m pytest -q tests/test_attention_fold.py
+  py -m pytest -q tests/test_attention_fold.py tests/test_gpu_async.py -k "fold"
   py scripts/sweep_decode_attention.py --fold --batches 256,128,64 --contexts 128,512,1024 \
      --max-seconds 200 --out "$OUT/attention_decode_sweep_fold.json"
   # the same at mixed contexts (0.1x-1.9x the point's; a fold makes a long request's program
