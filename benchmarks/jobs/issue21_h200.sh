@@ -428,9 +428,9 @@ AF2)
   done
   ;;
 AG)
-  # the SM / memory clocks, power and throttle reasons every 200 ms through the part (is the
+  # the SM / memory clocks, power and temperature every 200 ms through the part (is the
   # model's attention slower than the lone kernel's because the GPU runs slower there?)
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active \
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
      --format=csv -lms 200 > "$OUT/ag_clocks.csv" 2>&1 & SMI=$!
   py scripts/bench_attention.py --no-ref --out "$OUT/attention_decode_alone.json"
   DEC="bench decode --batch-sizes 256 --contexts 768,1024 --max-model-len 1280"
@@ -438,7 +438,7 @@ AG)
   MRV2_PDL=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_pdl-off.json"
   MRV2_ATTENTION_ORDER=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_order-off.json"
   MRV2_ATTENTION_EARLY_META=0 py -m mrv2 $DEC --out "$OUT/decode_steps_b256_long_meta-off.json"
-  kill $SMI
+  kill $SMI 2>/dev/null
   ;;
 AT)
   A48="--set $DA:MAX_TOKENS=48"
