@@ -243,7 +243,8 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
             raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
         dtype = names[dtype]
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a string or torch.dtype, got {dtype!r}")
+        # NOTE: ValueError, not TypeError: the validation layer reports every bad value as one.
+        raise ValueError(f"dtype must be a string or torch.dtype, got {dtype!r}")  # noqa: TRY004
     if not HAS_CUDA and dtype != torch.float32:
         raise ValueError(f"dtype={dtype} is not supported on the CPU (Triton's interpreter "
                          "computes half types wrongly); use dtype='float32' or 'auto'")

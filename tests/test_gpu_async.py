@@ -82,7 +82,7 @@ def test_outputs_identical_async_and_graphs_on_off():
             assert any(isinstance(k, tuple) for k in graphs.graphs) == (mode == "FULL")
             replayed = []
             replay = graphs.replay
-            graphs.replay = lambda key, replay=replay: replayed.append(key) or replay(key)
+            graphs.replay = lambda key, replay=replay, seen=replayed: seen.append(key) or replay(key)
             outs = llm.generate(inputs, params, use_tqdm=False)
             results[(async_scheduling, mode)] = [o.outputs[0].token_ids for o in outs]
             # FULL: the prefill steps replay prefill graphs too; decode-only: never.
@@ -122,7 +122,7 @@ def test_v1_baseline_graphs_equal_eager_and_v2():
         assert bool(graphs.graphs) == (mode != "NONE")
         replayed = []
         replay = graphs.replay
-        graphs.replay = lambda key, replay=replay: replayed.append(key) or replay(key)
+        graphs.replay = lambda key, replay=replay, seen=replayed: seen.append(key) or replay(key)
         outs[(runner, mode)] = [o.outputs[0].token_ids for o in
                                 llm.generate(inputs, sp, use_tqdm=False)]
         assert any(isinstance(k, tuple) for k in replayed) == (mode == "FULL")  # prefill graphs
