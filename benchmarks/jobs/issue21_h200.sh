@@ -126,7 +126,10 @@
 #      bandwidth; the standard workload's decode lives there) when the same kernel alone reaches
 #      96% (bench_attention, 256 x 1,024, randomly permuted pages): the kernel alone, then bench
 #      decode at 256 x 768 / 1,024 with main's defaults, with PDL off, and with the longest-first
-#      order off (per-layer attention us against the lone kernel's), ~4 min
+#      order off (per-layer attention us against the lone kernel's), ~4 min. Offline (session
+#      28, Triton 3.6): the b256 launch compiles to 242 registers and 38 KB of shared memory
+#      with PDL, EARLY_META and the order each on or off (the PTX differs by 2-7 lines), so
+#      the gap is not the model's variant of the code; AG also logs clocks and power
 #   AF (session 28, not yet run) folded KV heads (attention_table.fold_rows: kv_fold heads of a
 #      request in one program, reading each token's heads as one contiguous run, the metadata
 #      and page numbers once; 2,048 -> 256-1,024 programs at batch 256): the fold GPU tests,
