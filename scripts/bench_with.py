@@ -15,8 +15,8 @@ overrides the fused decode attention's launch (``decode_attention.pick_config``)
 ``lo``-``hi`` requests: ``block_n``, ``num_splits`` (capped at the key tiles, as the table's
 are), and optionally ``num_warps`` / ``num_stages``; ``--paged-launch JSON`` does the same for
 ``paged_attention``'s decode launches (``lo``-``hi`` requests; ``block_n``, ``num_splits``,
-``num_warps``, ``num_stages``, ``kv_fold``: the batch-256 step's attention). Session 14's jobs 14C and 14D ran
-through this (their JSON notes say which knobs).
+``num_warps``, ``num_stages``, ``kv_fold``: the batch-256 step's attention). Session 14's
+jobs 14C and 14D ran through this (their JSON notes say which knobs).
 """
 
 from __future__ import annotations
