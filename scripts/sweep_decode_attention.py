@@ -152,8 +152,8 @@ def sweep_point(b: int, ctx: int, shape: tuple[int, int, int], dtype, copy_tbs: 
     if heur_us is None:
         heur_us = _time_us(lambda: paged_attention(q, kv_cache, md, scale, out, config=heur))
     tbs = kv_bytes / (best["us"] * 1e-6) / 1e12
-    return {"batch": b, "context": ctx, "spread": spread, **cfg, "us": best["us"], "kv_bytes": kv_bytes,
-            "tbs": tbs, "frac_of_copy": tbs / copy_tbs, "heuristic": heur,
+    return {"batch": b, "context": ctx, "spread": spread, **cfg, "us": best["us"],
+            "kv_bytes": kv_bytes, "tbs": tbs, "frac_of_copy": tbs / copy_tbs, "heuristic": heur,
             "heuristic_us": heur_us, "max_abs_diff_vs_heuristic": float(err),
             "timings": timings}
 
