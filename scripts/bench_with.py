@@ -27,6 +27,7 @@ import json
 import sys
 
 import mrv2  # noqa: F401  (first: on a CPU it switches Triton to its interpreter)
+from mrv2.kernels.attention_table import LAUNCH_KEYS
 
 
 def parse_set(spec: str) -> tuple[str, str, object]:
@@ -72,7 +73,7 @@ def override_decode_launch(spec: dict) -> None:
     decode_attention.pick_config = pick
 
 
-PAGED_KEYS = ("block_n", "num_splits", "num_warps", "num_stages", "kv_fold")
+PAGED_KEYS = (*LAUNCH_KEYS, "kv_fold")
 
 
 def override_paged_launch(spec: dict) -> None:

@@ -46,6 +46,7 @@ from mrv2.kernels.attention import _num_sms, paged_attention
 from mrv2.kernels.attention_table import (
     GRID_BATCH,
     GRID_CONTEXT,
+    LAUNCH_KEYS,
     TABLE_PATH,
     choose_decode_config,
     heuristic_decode_config,
@@ -53,8 +54,6 @@ from mrv2.kernels.attention_table import (
     validate_table,
 )
 
-#: What a launch sets (a table entry's fields; ``kv_fold`` besides, when a fold won).
-LAUNCH_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 SPLITS = (1, 2, 4, 8, 16, 32)
 BLOCK_N = (32, 64, 128)
 WARPS_STAGES = ((2, 3), (2, 4), (4, 2), (4, 3), (8, 2))

@@ -28,6 +28,7 @@ from mrv2.forward_context import AttentionMetadata
 from mrv2.kernels import decode_heads, pdl
 from mrv2.kernels.attention_table import (
     choose_decode_config,
+    decode_block_q,
     fold_rows,
     heuristic_decode_config,
     load_table,
@@ -242,11 +243,8 @@ def _pick_config(num_reqs: int, num_kv_heads: int, group_pad: int, max_query_len
     graph-safe). Compiled decode launches come from ``attention_table`` (a swept table,
     ``scripts/sweep_decode_attention.py``, or the heuristic there).
     """
-    decode = max_query_len <= 16
-    if decode:  # rows = the few query tokens x group, padded to tl.dot's minimum of 16
-        block_q = max(triton.next_power_of_2(max_query_len), 16 // group_pad, 1)
-    else:
-        block_q = max(1, 64 // group_pad)
+    decode = max_query_len <= 16  # rows: the few query tokens x group, padded to tl.dot's 16
+    block_q = decode_block_q(max_query_len, group_pad) if decode else max(1, 64 // group_pad)
     cfg = {"block_q": block_q, "block_n": 64, "num_splits": 1, "kv_fold": 1,
            "num_warps": 4, "num_stages": 2, "part_tiles": 0}
     if TRITON_INTERPRET:

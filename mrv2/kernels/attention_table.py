@@ -26,7 +26,8 @@ TABLE_PATH = pathlib.Path(__file__).resolve().parents[1] / "assets" / "attention
 #: The grid a sweep measures (and the default table covers).
 GRID_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GRID_CONTEXT = (128, 256, 512, 1024, 2048, 4096)
-_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
+#: What a table entry (and a decode launch) sets; an entry may add ``kv_fold``.
+LAUNCH_KEYS = ("num_splits", "block_n", "num_warps", "num_stages")
 #: tl.dot's smallest M: a decode program's rows (query tokens x folded KV heads x GQA group).
 MIN_ROWS = 16
 
@@ -76,7 +77,7 @@ def validate_table(table: dict) -> dict:
         if field not in table:
             raise ValueError(f"attention table: missing field {field!r}")
     for i, e in enumerate(table["entries"]):
-        for field in ("batch", "context", *_KEYS):
+        for field in ("batch", "context", *LAUNCH_KEYS):
             if not isinstance(e.get(field), int) or e[field] < 1:
                 raise ValueError(f"attention table: entries[{i}].{field} must be a positive "
                                  f"int, got {e.get(field)!r}")
@@ -130,19 +131,26 @@ def choose_decode_config(num_reqs: int, max_seq_len: int, num_kv_heads: int,
         b, c = min(entries, key=lambda k: abs(math.log2(k[0] / eff))
                    + abs(math.log2(k[1] / max(1, max_seq_len))))
         e = entries[(b, c)]
-    cfg = {k: e[k] for k in _KEYS}
+    cfg = {k: e[k] for k in LAUNCH_KEYS}
     cfg["num_splits"] = max(1, min(cfg["num_splits"], _cdiv(max_seq_len, cfg["block_n"])))
     if "kv_fold" in e:
         cfg["kv_fold"] = min(e["kv_fold"], num_kv_heads & -num_kv_heads)
     return cfg
 
 
+def decode_block_q(max_query_len: int, group_pad: int, kv_fold: int = 1) -> int:
+    """Query tokens a decode program takes (``max_query_len <= 16``): the step's query length
+    rounded up to a power of two, and at least enough that ``block_q * kv_fold * group_pad``
+    gives ``tl.dot`` its ``MIN_ROWS`` rows."""
+    q_pow2 = 1 << max(0, max_query_len - 1).bit_length()          # next power of two
+    return max(q_pow2, MIN_ROWS // (group_pad * kv_fold), 1)
+
+
 def fold_rows(cfg: dict, max_query_len: int, group_pad: int, num_kv_heads: int,
               refit: bool = True) -> dict:
     """``cfg`` (a decode launch, ``max_query_len <= 16``) with ``block_q`` sized for its
-    ``kv_fold``, in place: the fewest query tokens a program that still give ``tl.dot`` its
-    ``MIN_ROWS`` rows (``block_q * kv_fold * group_pad``), so a fold of 8 KV heads with a
-    GQA group of 2 takes one token (16 rows, all real) where one KV head takes 8 (2 real).
+    ``kv_fold``, in place (``decode_block_q``), so a fold of 8 KV heads with a GQA group of 2
+    takes one token (16 rows, all real) where one KV head takes 8 (2 real).
 
     Why fold: a decode program per (request, KV head) reads one head's 256-byte slice of
     each cached token and repeats the request's metadata and page numbers per head; a
@@ -161,6 +169,5 @@ def fold_rows(cfg: dict, max_query_len: int, group_pad: int, num_kv_heads: int,
         raise ValueError(f"kv_fold {fold} must be a power of two dividing num_kv_heads "
                          f"({num_kv_heads})")
     if refit and fold > 1 and max_query_len <= 16:
-        q_pow2 = 1 << max(0, max_query_len - 1).bit_length()      # next power of two
-        cfg["block_q"] = max(q_pow2, MIN_ROWS // (group_pad * fold), 1)
+        cfg["block_q"] = decode_block_q(max_query_len, group_pad, fold)
     return cfg
